@@ -1,0 +1,34 @@
+"""commjax: communication-efficient optimizers for JAX.
+
+Compressed gradient exchange as optax transforms, inside ``jax.shard_map``/``jax.pmap``::
+
+    import commjax as cj
+    tx = optax.chain(cj.compressed_mean(cj.quantize(bits=4), axis_name="data"),
+                     optax.adam(1e-3))
+"""
+
+from commjax._compat import vary
+from commjax.accounting import CollectiveReport, collective_bytes, exact_mean_bytes, ring_bytes
+from commjax.compressors import (
+    Compressor,
+    cast,
+    identity,
+    qsgd,
+    quantize,
+    sign,
+    terngrad,
+)
+from commjax.layout import pmap_state, per_replica_mask, shard_state, state_specs, unshard_state
+from commjax.plan import CommunicationPlan, communication_plan
+from commjax.reducers import REDUCERS
+from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
+    "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS",
+    "communication_plan", "CommunicationPlan",
+    "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
+    "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
+]

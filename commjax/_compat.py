@@ -1,0 +1,175 @@
+"""The one place where commjax adapts to differences between JAX versions.
+
+commjax supports the JAX 0.10 line (Python 3.11 CPU machines) and 0.11+ (GPU/TPU
+machines). Everything version-dependent goes through the small functions below so that
+the rest of the library is written against a single API:
+
+* ``shard_map``: ``jax.shard_map(..., check_vma=...)`` (new) or
+  ``jax.experimental.shard_map.shard_map(..., check_rep=...)`` (old).
+* varying/invariant values under ``check_vma=True``: ``jax.typeof(x).vma`` (0.11+) or
+  ``jax.typeof(x).manual_axis_type.varying`` (0.10), ``lax.pcast`` or ``lax.pvary``.
+* ``all_gather(..., to="invarying")`` where supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "shard_map",
+    "make_mesh",
+    "axis_is_bound",
+    "axis_size",
+    "varying_axes",
+    "vary",
+    "all_gather_invariant",
+    "JAX_VERSION",
+]
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
+)
+
+
+def _shard_map_impl() -> tuple[Callable[..., Any], str]:
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map, "check_vma"
+    from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover
+
+    return _sm, "check_rep"  # pragma: no cover
+
+
+_SHARD_MAP, _CHECK_KW = _shard_map_impl()
+
+
+def shard_map(
+    f: Callable[..., Any],
+    *,
+    mesh: jax.sharding.Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+) -> Callable[..., Any]:
+    """``jax.shard_map`` with the replication-check flag spelled for this JAX."""
+    return _SHARD_MAP(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_KW: check_vma}
+    )
+
+
+def make_mesh(
+    axis_shapes: Sequence[int],
+    axis_names: Sequence[str],
+    *,
+    devices: Optional[Sequence[Any]] = None,
+) -> jax.sharding.Mesh:
+    """A mesh whose axes are all ``Auto`` (so ``P('data')`` accepts unsharded inputs)."""
+    kwargs: dict[str, Any] = {}
+    if devices is not None:
+        kwargs["devices"] = devices
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is not None and "axis_types" in inspect.signature(jax.make_mesh).parameters:
+        kwargs["axis_types"] = (axis_type.Auto,) * len(axis_names)
+    return jax.make_mesh(tuple(axis_shapes), tuple(axis_names), **kwargs)
+
+
+def axis_is_bound(axis_name: Any) -> bool:
+    """Whether ``axis_name`` (a name or tuple of names) is bound by shard_map/pmap here."""
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for name in names:
+        try:
+            lax.axis_index(name)
+        except NameError:
+            return False
+    return True
+
+
+def axis_size(axis_name: Any) -> int:
+    """Static size of a bound axis (product over a tuple of names)."""
+    if hasattr(lax, "axis_size"):
+        return int(lax.axis_size(axis_name))
+    return int(lax.psum(1, axis_name))  # pragma: no cover
+
+
+def _vma_of(x: Any) -> Optional[frozenset]:
+    try:
+        aval = jax.typeof(x)
+    except Exception:  # pragma: no cover - not a JAX value
+        return None
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "manual_axis_type", None)
+        vma = getattr(mat, "varying", None) if mat is not None else None
+    return frozenset(vma) if vma is not None else None
+
+
+def varying_axes(x: Any) -> Optional[frozenset]:
+    """Mesh axes along which ``x`` varies, as tracked by ``check_vma=True``.
+
+    Returns ``None`` when this JAX does not track it. Under ``check_vma=False`` (and
+    ``pmap``) nothing is tracked and the result is the empty set for every value.
+    """
+    return _vma_of(x)
+
+
+def vary(tree: Any, axis_name: Any) -> Any:
+    """Mark every array of ``tree`` as varying over ``axis_name`` (a no-op if it already is).
+
+    Under ``shard_map(check_vma=True)`` the gradient with respect to an *invariant*
+    (replicated) parameter is summed over the axis by JAX itself, during
+    differentiation, so compression would come too late. Taking the gradient with
+    respect to ``vary(params, axis)`` keeps it per-replica.
+    """
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+    def one(x: Any) -> Any:
+        vma = _vma_of(x)
+        missing = tuple(n for n in names if vma is not None and n not in vma)
+        if not missing:
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, missing, to="varying")
+        if hasattr(lax, "pvary"):  # pragma: no cover
+            return lax.pvary(x, missing)
+        return x  # pragma: no cover
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+_ALL_GATHER_HAS_TO = "to" in inspect.signature(lax.all_gather).parameters
+
+
+def all_gather_invariant(x: jax.Array, axis_name: Any, *, tiled: bool = False) -> jax.Array:
+    """All-gather whose result is typed as replicated (identical on every replica)."""
+    if _ALL_GATHER_HAS_TO:
+        vma = _vma_of(x)
+        if vma is not None:
+            names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+            if any(n not in vma for n in names):
+                x = vary(x, axis_name)
+        return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+    return lax.all_gather(x, axis_name, tiled=tiled)  # pragma: no cover
+
+
+def all_to_all(x: jax.Array, axis_name: Any) -> jax.Array:
+    """Tiled all-to-all along the leading axis: chunk ``j`` of the input goes to replica ``j``."""
+    x = vary(x, axis_name)
+    return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+
+
+def psum(x: Any, axis_name: Any) -> Any:
+    """``lax.psum`` of values that are first made varying, so every replica adds its own."""
+    return lax.psum(vary(x, axis_name), axis_name)
+
+
+def as_uint_words(x: jax.Array) -> jax.Array:
+    """Bit-cast a float/int array to unsigned words of the same width (no value change)."""
+    width = jnp.dtype(x.dtype).itemsize
+    target = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]
+    if jnp.dtype(x.dtype) == jnp.dtype(target):
+        return x
+    return lax.bitcast_convert_type(x, target)

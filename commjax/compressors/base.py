@@ -1,0 +1,180 @@
+"""What a compressor is: an immutable codec between float vectors and wire words.
+
+A compressor never communicates. It turns a flat float32 vector into a *payload* of
+unsigned 32-bit words and back; the reducers in :mod:`commjax.reducers` move payloads
+between replicas, and :func:`commjax.compressed_mean` adds error feedback around both.
+
+Two families share this interface:
+
+* **Block codecs** (:class:`BlockCompressor`: cast, quantize, QSGD, TernGrad, sign)
+  cut the vector into blocks of ``block_size`` elements and encode each block into a
+  fixed row of ``row_words`` uint32 words. Rows are independent, so a payload can be cut
+  into per-replica chunks of whole blocks: this is what the two-phase reducer needs.
+* **Whole-vector codecs** (sparsifiers, for example) implement :meth:`Compressor.encode`
+  and :meth:`Compressor.decode` on the flat vector and travel through the all-gather
+  reducer.
+
+A compressor whose payload may be summed across replicas before decoding
+(``decode(sum_i encode(x_i)) == sum_i decode(encode(x_i))``: the identity, random-k
+values, PowerSGD factors) sets ``linear = True`` and implements
+:meth:`Compressor.encode_linear` / :meth:`Compressor.decode_linear`; only those may be
+reduced with ``psum`` (quantized integer payloads would wrap around).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "Compressor",
+    "BlockCompressor",
+    "Segment",
+    "check_positive_int",
+    "check_choice",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Where one gradient leaf lives inside the flat buffer: ``[offset, offset + size)``.
+
+    ``padded_size`` is the size rounded up to the compressor's alignment; the padding is
+    zero on input and ignored on output. ``shape`` is the leaf's original shape.
+    """
+
+    offset: int
+    size: int
+    padded_size: int
+    shape: tuple[int, ...]
+
+
+def check_positive_int(name: str, value: Any, *, factory: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{factory}: `{name}` must be a positive integer, got {value!r}.")
+    return value
+
+
+def check_choice(name: str, value: Any, allowed: Sequence[Any], *, factory: str) -> Any:
+    if value not in allowed:
+        raise ValueError(
+            f"{factory}: `{name}` must be one of {', '.join(map(repr, allowed))}; got {value!r}."
+        )
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+    """Base class of every compressor. Instances are immutable and hashable.
+
+    Class attributes describe how a payload may travel:
+
+    * ``linear``: payloads may be summed with ``psum`` (see module docstring);
+    * ``chunkable``: a payload is a stack of independent block rows (two-phase capable);
+    * ``stochastic``: ``encode`` consumes randomness that must differ per replica;
+    * ``shared_randomness``: ``encode`` consumes randomness that must be *identical* on
+      every replica (random-k masks).
+    """
+
+    name: ClassVar[str] = "compressor"
+    linear: ClassVar[bool] = False
+    chunkable: ClassVar[bool] = False
+    stochastic: ClassVar[bool] = False
+    shared_randomness: ClassVar[bool] = False
+
+    # Flat buffers handed to encode() have a length that is a multiple of this.
+    @property
+    def alignment(self) -> int:
+        return 1
+
+    def payload_words(self, n: int, segments: Optional[Sequence[Segment]] = None) -> int:
+        """uint32 words that ``encode`` produces for a flat vector of ``n`` elements."""
+        raise NotImplementedError
+
+    def payload_bytes(self, n: int, segments: Optional[Sequence[Segment]] = None) -> int:
+        """Bytes of one replica's payload for ``n`` elements (``4 * payload_words``)."""
+        return 4 * self.payload_words(n, segments)
+
+    def bits_per_element(self, n: int = 1 << 20) -> float:
+        n = -(-n // self.alignment) * self.alignment
+        return 32.0 * self.payload_words(n) / n
+
+    def encode(
+        self, x: jax.Array, key: Optional[jax.Array], segments: Optional[Sequence[Segment]] = None
+    ) -> jax.Array:
+        """``float32[n] -> uint32[payload_words(n)]``."""
+        raise NotImplementedError
+
+    def decode(
+        self, payload: jax.Array, n: int, segments: Optional[Sequence[Segment]] = None
+    ) -> jax.Array:
+        """``uint32[payload_words(n)] -> float32[n]``."""
+        raise NotImplementedError
+
+    # Linear compressors only.
+    def encode_linear(self, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+        raise TypeError(f"{self.name} payloads cannot be summed: it is not a linear compressor")
+
+    def decode_linear(self, summed: jax.Array, n: int) -> jax.Array:
+        raise TypeError(f"{self.name} payloads cannot be summed: it is not a linear compressor")
+
+    def linear_payload_bytes(self, n: int) -> int:
+        raise TypeError(f"{self.name} is not a linear compressor")
+
+    def roundtrip(self, x: jax.Array, key: Optional[jax.Array] = None) -> jax.Array:
+        """``decode(encode(x))`` for any shape and float dtype: the compressor's numerical
+        effect on one replica, with the input's shape and dtype."""
+        flat = jnp.ravel(x).astype(jnp.float32)
+        n = flat.shape[0]
+        padded = -(-max(n, 1) // self.alignment) * self.alignment
+        flat = jnp.pad(flat, (0, padded - n))
+        segments = (Segment(0, n, padded, tuple(x.shape)),)
+        out = self.decode(self.encode(flat, key, segments), padded, segments)
+        return out[:n].reshape(x.shape).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCompressor(Compressor):
+    """A codec that maps each block of ``block_size`` floats to ``row_words`` uint32 words.
+
+    Subclasses implement :meth:`encode_blocks` and :meth:`decode_blocks` on
+    ``[num_blocks, block_size]`` arrays; the flat interface and chunking come from here.
+    """
+
+    chunkable: ClassVar[bool] = True
+
+    @property
+    def block(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def alignment(self) -> int:
+        return self.block
+
+    @property
+    def row_words(self) -> int:
+        raise NotImplementedError
+
+    def payload_words(self, n: int, segments: Optional[Sequence[Segment]] = None) -> int:
+        if n % self.block:
+            raise ValueError(f"{self.name}: length {n} is not a multiple of the block {self.block}")
+        return (n // self.block) * self.row_words
+
+    def encode_blocks(self, blocks: jax.Array, key: Optional[jax.Array]) -> jax.Array:
+        """``float32[nb, block] -> uint32[nb, row_words]``."""
+        raise NotImplementedError
+
+    def decode_blocks(self, rows: jax.Array) -> jax.Array:
+        """``uint32[nb, row_words] -> float32[nb, block]``."""
+        raise NotImplementedError
+
+    def encode(self, x, key, segments=None):
+        rows = self.encode_blocks(x.reshape(-1, self.block), key)
+        return rows.reshape(-1)
+
+    def decode(self, payload, n, segments=None):
+        rows = payload.reshape(n // self.block, self.row_words)
+        return self.decode_blocks(rows).reshape(n)

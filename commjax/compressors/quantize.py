@@ -1,0 +1,222 @@
+"""Blockwise scaled integer codecs: ``quantize`` (absmax), ``qsgd`` and ``terngrad``.
+
+All three cut the vector into blocks of ``B`` elements, send one fp32 scale ``s`` per
+block and one ``b``-bit code per element, packed as bit planes (:mod:`commjax.packing`).
+A block costs ``b * ceil(B / 32) + 1`` uint32 words, i.e. ``b + 32 / B`` bits per element
+when ``B`` is a multiple of 32.
+
+Rounding of ``q = x / s * L`` to an integer level:
+
+* nearest: ``round(q)``, so ``|x - x_hat| <= s / (2 L)`` (half a step);
+* stochastic: ``floor(q + u)``, ``u ~ U[0, 1)`` independent per element and replica, so
+  ``E[x_hat] = x`` (unbiased) and ``|x - x_hat| < s / L``.
+
+All-zero blocks have ``s = 0`` and decode to exact zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import kernels
+from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
+from commjax.packing import packed_words
+
+__all__ = ["Quantize", "QSGD", "TernGrad", "quantize", "qsgd", "terngrad"]
+
+
+def _safe_recip(s: jax.Array) -> jax.Array:
+    return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+
+
+def _round_levels(q: jax.Array, key: Optional[jax.Array], stochastic: bool) -> jax.Array:
+    if stochastic:
+        if key is None:
+            raise ValueError("a stochastic compressor needs a PRNG key")
+        return jnp.floor(q + jax.random.uniform(key, q.shape, jnp.float32))
+    return jnp.round(q)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaledCodec(BlockCompressor):
+    """Shared layout: ``[packed codes | scale]`` per block, codes offset to be unsigned."""
+
+    block_size: int = 256
+
+    @property
+    def block(self) -> int:
+        return self.block_size
+
+    @property
+    def bits(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def offset(self) -> int:
+        """Signed level ``l`` travels as the unsigned code ``l + offset``."""
+        raise NotImplementedError
+
+    @property
+    def row_words(self) -> int:
+        return packed_words(self.block_size, self.bits) + 1
+
+    def _pack(self, levels: jax.Array, scale: jax.Array) -> jax.Array:
+        codes = (levels + self.offset).astype(jnp.uint32)
+        words = kernels.pack_codes(codes, self.bits)
+        scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+        return jnp.concatenate([words, scale_word[:, None]], axis=1)
+
+    def _unpack(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        codes = kernels.unpack_codes(rows[:, :-1], self.bits, self.block_size)
+        levels = codes.astype(jnp.int32) - self.offset
+        scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
+        return levels.astype(jnp.float32), scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantize(_ScaledCodec):
+    """Blockwise absmax quantization to ``bits`` in {8, 4, 2} (see :func:`quantize`)."""
+
+    num_bits: int = 8
+    stochastic_rounding: bool = True
+    name: ClassVar[str] = "quantize"
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return self.stochastic_rounding
+
+    @property
+    def bits(self) -> int:
+        return self.num_bits
+
+    @property
+    def levels(self) -> int:
+        """``L = 2**(bits-1) - 1``: codes are the integers ``-L..L``."""
+        return 2 ** (self.num_bits - 1) - 1
+
+    @property
+    def offset(self) -> int:
+        return self.levels
+
+    def encode_blocks(self, blocks, key):
+        scale = jnp.max(jnp.abs(blocks), axis=1)
+        q = blocks * (self.levels * _safe_recip(scale))[:, None]
+        lv = jnp.clip(_round_levels(q, key, self.stochastic_rounding), -self.levels, self.levels)
+        return self._pack(lv, scale)
+
+    def decode_blocks(self, rows):
+        lv, scale = self._unpack(rows)
+        return lv * (scale / self.levels)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class QSGD(_ScaledCodec):
+    """QSGD: ``x_hat = ||x||_2 * sign(x) * l / s`` with stochastic levels ``l in 0..s``."""
+
+    num_levels: int = 16
+    name: ClassVar[str] = "qsgd"
+    stochastic: ClassVar[bool] = True
+
+    @property
+    def bits(self) -> int:
+        return max(1, math.ceil(math.log2(2 * self.num_levels + 1)))
+
+    @property
+    def offset(self) -> int:
+        return self.num_levels
+
+    def encode_blocks(self, blocks, key):
+        norm = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=1))
+        q = jnp.abs(blocks) * (self.num_levels * _safe_recip(norm))[:, None]
+        lv = jnp.clip(_round_levels(q, key, True), 0, self.num_levels) * jnp.sign(blocks)
+        return self._pack(lv, norm)
+
+    def decode_blocks(self, rows):
+        lv, norm = self._unpack(rows)
+        return lv * (norm / self.num_levels)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TernGrad(_ScaledCodec):
+    """TernGrad: ``x_hat = s * sign(x) * Bernoulli(|x| / s)`` with ``s = max |x|`` per block."""
+
+    clip_sigma: Optional[float] = None
+    name: ClassVar[str] = "terngrad"
+    stochastic: ClassVar[bool] = True
+
+    @property
+    def bits(self) -> int:
+        return 2
+
+    @property
+    def offset(self) -> int:
+        return 1
+
+    def encode_blocks(self, blocks, key):
+        if self.clip_sigma is not None:
+            sigma = jnp.std(blocks, axis=1, keepdims=True)
+            bound = self.clip_sigma * sigma
+            blocks = jnp.clip(blocks, -bound, bound)
+        scale = jnp.max(jnp.abs(blocks), axis=1)
+        q = blocks * _safe_recip(scale)[:, None]
+        lv = jnp.clip(_round_levels(q, key, True), -1, 1)
+        return self._pack(lv, scale)
+
+    def decode_blocks(self, rows):
+        lv, scale = self._unpack(rows)
+        return lv * scale[:, None]
+
+
+def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True) -> Quantize:
+    """Blockwise absmax quantization.
+
+    Each block of ``block_size`` elements sends its scale ``s = max_i |x_i|`` (fp32) and
+    codes ``l_i = R(x_i / s * L)`` with ``L = 2**(bits-1) - 1`` levels on each side,
+    ``R`` stochastic (unbiased) or nearest rounding. ``x_hat_i = l_i s / L``.
+
+    Bits per element: ``bits + 32 / block_size`` (8.125, 4.125, 2.125 at the default
+    block of 256).
+
+    Args:
+      bits: code width, one of 8, 4, 2 (2 bits gives the levels {-1, 0, +1}).
+      block_size: elements per scale; multiples of 32 waste no packing space.
+      stochastic: unbiased stochastic rounding (default) or round-to-nearest.
+    """
+    check_choice("bits", bits, (8, 4, 2), factory="quantize")
+    check_positive_int("block_size", block_size, factory="quantize")
+    return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=bool(stochastic))
+
+
+def qsgd(levels: int = 16, block_size: int = 256) -> QSGD:
+    """QSGD (Alistarh et al., 2017): norm-scaled stochastic quantization.
+
+    Per block, ``x_hat_i = ||x||_2 sign(x_i) l_i / s`` where ``l_i`` rounds
+    ``|x_i| / ||x||_2 * s`` stochastically to ``{0..s}`` (``s = levels``); unbiased.
+    Codes are ``ceil(log2(2 s + 1))`` bits (6 for ``levels=16``, 4 for ``levels=7``) plus
+    one fp32 norm per block.
+    """
+    check_positive_int("levels", levels, factory="qsgd")
+    if levels > 32767:
+        raise ValueError(f"qsgd: `levels` must be <= 32767, got {levels}.")
+    check_positive_int("block_size", block_size, factory="qsgd")
+    return QSGD(block_size=block_size, num_levels=levels)
+
+
+def terngrad(block_size: int = 256, clip_sigma: Optional[float] = None) -> TernGrad:
+    """TernGrad (Wen et al., 2017): ternary levels ``{-s, 0, +s}`` per block.
+
+    ``x_hat_i = s sign(x_i) b_i`` with ``s = max |x|`` over the block and
+    ``b_i ~ Bernoulli(|x_i| / s)``: unbiased. 2 bits per element plus a scale per block.
+    ``clip_sigma`` (the paper's gradient clipping, e.g. 2.5) first clips to
+    ``clip_sigma * std`` of the block: lower variance, but then biased.
+    """
+    check_positive_int("block_size", block_size, factory="terngrad")
+    if clip_sigma is not None and not clip_sigma > 0:
+        raise ValueError(f"terngrad: `clip_sigma` must be positive or None, got {clip_sigma!r}.")
+    return TernGrad(block_size=block_size, clip_sigma=clip_sigma)

@@ -1,0 +1,65 @@
+"""Scaled sign compression (EF-SignSGD, 1-bit SGD/Adam style)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import kernels
+from commjax.compressors.base import BlockCompressor, check_positive_int
+from commjax.packing import words_per_plane
+
+__all__ = ["Sign", "sign"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sign(BlockCompressor):
+    """``x_hat_i = s * (+1 if x_i >= 0 else -1)`` with ``s = mean_i |x_i|`` per block.
+
+    The scale is the mean absolute value over the whole block (padding included), which
+    makes ``x_hat`` the best scaled-sign approximation in the l2 sense. Zeros encode as
+    ``+s``; an all-zero block decodes to exact zeros. Biased: use it with error feedback.
+    """
+
+    block_size: int = 256
+    name: ClassVar[str] = "sign"
+
+    @property
+    def block(self) -> int:
+        return self.block_size
+
+    @property
+    def row_words(self) -> int:
+        return words_per_plane(self.block_size) + 1
+
+    def encode_blocks(self, blocks, key):
+        scale = jnp.mean(jnp.abs(blocks), axis=1)
+        bits = (blocks >= 0).astype(jnp.uint32)
+        words = kernels.pack_codes(bits, 1)
+        scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+        return jnp.concatenate([words, scale_word[:, None]], axis=1)
+
+    def decode_blocks(self, rows):
+        bits = kernels.unpack_codes(rows[:, :-1], 1, self.block_size)
+        scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
+        return (bits.astype(jnp.float32) * 2.0 - 1.0) * scale[:, None]
+
+
+def sign(block_size: int = 256) -> Sign:
+    """1 bit per element (32 signs per uint32 word) plus one fp32 scale per block.
+
+    Bits per element: ``1 + 32 / block_size`` (1.125 at the default 256).
+
+    Which optimizers suit it: the sign of a single step's gradient discards magnitudes, so
+    error feedback (on by default in :func:`commjax.compressed_mean`) is what makes it
+    converge. It works well with plain SGD after the transform, and in 1-bit Adam/LAMB
+    (:func:`commjax.onebit_adam`), where the *momentum* is compressed. Heavy momentum
+    applied *after* a sign-compressed mean amplifies the compression error (the momentum
+    buffer accumulates the sign noise that error feedback has not yet corrected): expect
+    a slower start with ``optax.sgd(momentum=0.9)`` after ``sign``.
+    """
+    check_positive_int("block_size", block_size, factory="sign")
+    return Sign(block_size=block_size)

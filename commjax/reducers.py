@@ -1,0 +1,228 @@
+"""Reducers: how compressed payloads travel between the replicas of a mesh axis.
+
+Per-device bytes below are those a bandwidth-optimal ring sends (the same convention as
+:func:`commjax.accounting.ring_bytes`), for ``N`` replicas and a payload of ``P`` bytes
+per replica:
+
+============  =======================================  ==================================
+reducer       collectives                              bytes sent per device
+============  =======================================  ==================================
+allreduce     one ``psum`` of the linear payload       ``2 (N-1)/N * P``
+allgather     one all-gather of every payload          ``(N-1) * P``  (grows with N)
+two_phase     all-to-all of chunks, then all-gather    ``2 (N-1)/N * P``  (flat in N)
+============  =======================================  ==================================
+
+``two_phase``: replica ``j`` receives chunk ``j`` of every replica's payload, decodes and
+sums them in fp32 (in replica order, so the sum is deterministic), re-encodes the mean of
+its chunk with a *server-side* error feedback, and all-gathers the re-encoded chunks.
+Every replica then decodes the same words, so the result is bit-identical everywhere.
+
+Quantized payloads are never summed as integers (``psum`` on small integer types wraps
+around silently): only compressors with ``linear = True`` may use ``allreduce``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import _compat
+from commjax.accounting import ring_bytes
+from commjax.compressors.base import Compressor, Segment
+
+__all__ = [
+    "REDUCERS",
+    "ReduceResult",
+    "valid_reducers",
+    "choose_reducer",
+    "reduced_length",
+    "server_residual_size",
+    "reducer_wire_bytes",
+    "reduce_mean",
+]
+
+REDUCERS = ("auto", "allreduce", "allgather", "two_phase")
+
+
+class ReduceResult(NamedTuple):
+    mean: jax.Array  # float32[n]: the estimate of the mean, identical on every replica
+    local: jax.Array  # float32[n]: decode(encode(x)) of this replica's own payload
+    server_residual: jax.Array  # float32[n_chunk] (two_phase) or float32[0]
+
+
+def valid_reducers(compressor: Compressor) -> tuple[str, ...]:
+    """The reducers that can carry ``compressor``'s payload."""
+    out = []
+    if compressor.linear:
+        out.append("allreduce")
+    out.append("allgather")
+    if compressor.chunkable:
+        out.append("two_phase")
+    return tuple(out)
+
+
+def check_reducer(compressor: Compressor, reducer: str) -> str:
+    if reducer not in REDUCERS:
+        raise ValueError(
+            f"compressed_mean: `reducer` must be one of {', '.join(map(repr, REDUCERS))}; "
+            f"got {reducer!r}."
+        )
+    if reducer != "auto" and reducer not in valid_reducers(compressor):
+        why = {
+            "allreduce": "its payload is not linear (summing quantized codes is wrong, "
+            "and psum on small integers wraps around)",
+            "two_phase": "its payload is not made of independent blocks",
+        }.get(reducer, "")
+        raise ValueError(
+            f"compressed_mean: reducer={reducer!r} cannot carry {compressor.name} payloads: "
+            f"{why}. Valid reducers for {compressor.name}: "
+            f"{', '.join(map(repr, valid_reducers(compressor) + ('auto',)))}."
+        )
+    return reducer
+
+
+def reduced_length(compressor: Compressor, n: int, num_replicas: int, reducer: str) -> int:
+    """Length the flat buffer is padded to before reduction."""
+    a = compressor.alignment
+    if reducer == "two_phase":
+        a *= num_replicas
+    return -(-n // a) * a if n else 0
+
+
+def server_residual_size(compressor: Compressor, n: int, num_replicas: int, reducer: str) -> int:
+    if reducer != "two_phase" or n == 0:
+        return 0
+    return reduced_length(compressor, n, num_replicas, reducer) // num_replicas
+
+
+def reducer_wire_bytes(
+    compressor: Compressor,
+    n: int,
+    num_replicas: int,
+    reducer: str,
+    segments: Optional[Sequence[Segment]] = None,
+) -> float:
+    """Analytic per-device ring bytes to reduce ``n`` elements (``n`` aligned)."""
+    if num_replicas <= 1 or n == 0 or reducer == "none":
+        return 0.0
+    m = reduced_length(compressor, n, num_replicas, reducer)
+    if reducer == "allreduce":
+        return ring_bytes("all-reduce", compressor.linear_payload_bytes(m), num_replicas)
+    payload = compressor.payload_bytes(m, segments)
+    if reducer == "allgather":
+        return ring_bytes("all-gather", payload, num_replicas)
+    if reducer == "two_phase":
+        return ring_bytes("all-to-all", payload, num_replicas) + ring_bytes(
+            "all-gather", payload // num_replicas, num_replicas
+        )
+    raise ValueError(f"unknown reducer {reducer!r}")
+
+
+def choose_reducer(
+    compressor: Compressor,
+    reducer: str,
+    n: int,
+    num_replicas: int,
+    segments: Optional[Sequence[Segment]] = None,
+) -> str:
+    """Resolve ``"auto"`` to the valid reducer that sends the fewest bytes.
+
+    Ties go to the more exact one: an fp32 ``allreduce`` first (no re-encoding), then
+    ``allgather`` (one encoding), then ``two_phase`` (two encodings). A 16-bit linear
+    payload (``cast``) prefers ``two_phase``, which sums in fp32 rather than in 16 bits.
+    """
+    reducer = check_reducer(compressor, reducer)
+    if num_replicas <= 1:
+        return "none"
+    if reducer != "auto":
+        return reducer
+    options = []
+    for rank, r in enumerate(("allreduce", "allgather", "two_phase")):
+        if r not in valid_reducers(compressor):
+            continue
+        if r == "allreduce" and compressor.linear_payload_bytes(2) < 8:
+            rank = 3  # 16-bit sums: only if strictly cheaper
+        options.append((reducer_wire_bytes(compressor, n, num_replicas, r, segments), rank, r))
+    return min(options)[2]
+
+
+def _encode(compressor, x, key, segments):
+    return compressor.encode(x, key, segments)
+
+
+def reduce_mean(
+    compressor: Compressor,
+    x: jax.Array,
+    *,
+    axis_name: Any,
+    num_replicas: int,
+    reducer: str,
+    key: Optional[jax.Array],
+    shared_key: Optional[jax.Array],
+    server_residual: Optional[jax.Array] = None,
+    segments: Optional[Sequence[Segment]] = None,
+    server_error_feedback: bool = True,
+) -> ReduceResult:
+    """Estimate the mean over ``axis_name`` of the flat float32 vector ``x``.
+
+    ``key`` is this replica's own key (stochastic rounding), ``shared_key`` one that is
+    identical on every replica (random masks). ``x``'s length must be a multiple of
+    ``compressor.alignment``; it is padded here for the two-phase chunks.
+    """
+    n = x.shape[0]
+    enc_key = shared_key if compressor.shared_randomness else key
+    empty = jnp.zeros((0,), jnp.float32)
+    if reducer == "none" or num_replicas <= 1 or axis_name is None:
+        local = compressor.decode(_encode(compressor, x, enc_key, segments), n, segments)
+        return ReduceResult(local, local, empty if server_residual is None else server_residual)
+
+    if reducer == "allreduce":
+        payload = compressor.encode_linear(x, enc_key)
+        local = compressor.decode_linear(payload, n)
+        total = compressor.decode_linear(_compat.psum(payload, axis_name), n)
+        return ReduceResult(total / num_replicas, local, empty if server_residual is None else server_residual)
+
+    if reducer == "allgather":
+        words = _encode(compressor, x, enc_key, segments)
+        local = compressor.decode(words, n, segments)
+        gathered = _compat.all_gather_invariant(words, axis_name, tiled=False)  # [N, P]
+        total = jnp.zeros((n,), jnp.float32)
+        # Replica order is fixed, so every replica computes the identical sum.
+        for r in range(num_replicas):
+            total = total + compressor.decode(gathered[r], n, segments)
+        return ReduceResult(total / num_replicas, local, empty if server_residual is None else server_residual)
+
+    if reducer == "two_phase":
+        m = reduced_length(compressor, n, num_replicas, reducer)
+        xp = jnp.pad(x, (0, m - n))
+        block = compressor.alignment
+        chunk = m // num_replicas
+        words = _encode(compressor, xp, enc_key, None)
+        local = compressor.decode(words, m, None)[:n]
+        row = words.shape[0] // (m // block)
+        rows = words.reshape(num_replicas, (chunk // block) * row)
+        received = _compat.all_to_all(rows, axis_name)  # [N, chunk words], from each replica
+        mine = jnp.zeros((chunk,), jnp.float32)
+        for r in range(num_replicas):
+            mine = mine + compressor.decode(received[r], chunk, None)
+        mine = mine / num_replicas
+        if server_residual is None or not server_error_feedback:
+            server_in = mine
+        else:
+            server_in = mine + server_residual.astype(jnp.float32)
+        server_key = None if enc_key is None else jax.random.fold_in(enc_key, 0x5E7)
+        server_words = _encode(compressor, server_in, server_key, None)
+        new_server = server_in - compressor.decode(server_words, chunk, None)
+        if server_residual is None or not server_error_feedback:
+            new_server = empty if server_residual is None else jnp.zeros_like(server_residual)
+        else:
+            new_server = new_server.astype(server_residual.dtype)
+        gathered = _compat.all_gather_invariant(server_words, axis_name, tiled=True)
+        mean = compressor.decode(gathered, m, None)[:n]
+        return ReduceResult(mean, local, new_server)
+
+    raise ValueError(f"unknown reducer {reducer!r}")

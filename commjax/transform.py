@@ -1,0 +1,314 @@
+"""``compressed_mean``: the optax transform that replaces gradients by a compressed mean.
+
+One step on replica ``i`` of ``N`` (all leaves of the compressed bucket at once)::
+
+    x_i   = g_i + e_i                      # error feedback: add what was not sent before
+    p_i   = encode(x_i)                    # compressor payload, uint32 words
+    m     = reduce(p_1..p_N) ~ mean_i x_i  # reducer, identical on every replica
+    e_i  <- x_i - decode(p_i)              # worker residual (if error_feedback)
+    return m
+
+Small, 1-D and otherwise uncompressible floating leaves are averaged exactly in one fused
+fp32 all-reduce; integer leaves pass through. See :mod:`commjax.plan` for the routing and
+:mod:`commjax.reducers` for the bytes each reducer sends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from commjax import _compat
+from commjax.compressors.base import Compressor
+from commjax.layout import per_replica
+from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
+from commjax.reducers import REDUCERS, check_reducer, reduce_mean
+
+__all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
+
+
+class AxisNotBoundError(NameError):
+    """``compressed_mean`` was called where its mesh axis is not bound."""
+
+
+@per_replica("residual", "server_residual")
+class CompressedMeanState(NamedTuple):
+    """State of :func:`compressed_mean`.
+
+    Attributes:
+      count: int32 scalar, replicated. Exchanges done so far.
+      key: uint32[2] raw PRNG key, replicated. Per-step and per-replica keys are folded
+        from it (``fold_in(fold_in(key, count), axis_index)``), so it never needs to differ
+        between replicas and is never split in the state.
+      residual: per-replica worker error-feedback residual, the compressed bucket laid out
+        flat (``float32`` or ``residual_dtype``); shape ``[0]`` without error feedback.
+      server_residual: per-replica residual of the two-phase reducer's re-encoding, one
+        chunk of the bucket; shape ``[0]`` for other reducers.
+    """
+
+    count: jax.Array
+    key: jax.Array
+    residual: jax.Array
+    server_residual: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeConfig:
+    compressor: Compressor
+    axis_name: Any
+    error_feedback: bool
+    reducer: str
+    min_compress_size: int
+    compress_vectors: bool
+    residual_dtype: Any
+    server_error_feedback: bool
+    check_finite: bool
+    num_replicas: Optional[int]
+    seed: int
+
+    def plan(self, leaves, num_replicas: int) -> CommunicationPlan:
+        return make_plan(
+            leaves, self.compressor, num_replicas=num_replicas, reducer=self.reducer,
+            min_compress_size=self.min_compress_size, compress_vectors=self.compress_vectors,
+            check_finite=self.check_finite,
+        )
+
+
+def _unbound_message(axis_name: Any) -> str:
+    return (
+        f"compressed_mean: mesh axis {axis_name!r} is not bound here. Gradient compression "
+        "needs each replica's own gradient, so the update must run inside jax.shard_map (or "
+        "jax.pmap) over that axis, e.g.\n\n"
+        "    step = jax.jit(jax.shard_map(train_step, mesh=mesh,\n"
+        f"        in_specs=(P(), cj.state_specs(opt_state, {axis_name!r}), P({axis_name!r})),\n"
+        f"        out_specs=(P(), cj.state_specs(opt_state, {axis_name!r}))))\n\n"
+        "or pass axis_name=None to study the compressor on one replica without communication."
+    )
+
+
+def _num_replicas_now(cfg: ExchangeConfig) -> int:
+    if cfg.axis_name is None:
+        return 1
+    if _compat.axis_is_bound(cfg.axis_name):
+        return _compat.axis_size(cfg.axis_name)
+    if cfg.num_replicas is not None:
+        return cfg.num_replicas
+    return jax.device_count()
+
+
+def _check_unreduced(leaves, routes, axis_name) -> None:
+    """Under check_vma=True, refuse gradients that JAX has already summed over the axis."""
+    tracked = _compat.varying_axes(lax.axis_index(axis_name))
+    if not tracked or axis_name not in tracked:
+        return  # check_vma=False or pmap: nothing is tracked
+    for leaf, r in zip(leaves, routes):
+        if r == PASS:
+            continue
+        vma = _compat.varying_axes(leaf)
+        if vma is not None and axis_name not in vma:
+            raise ValueError(
+                f"compressed_mean: a gradient leaf of shape {jnp.shape(leaf)} is replicated "
+                f"(invariant) over {axis_name!r}: under shard_map(check_vma=True) JAX sums the "
+                "gradient of replicated parameters over the axis itself, before any "
+                "compression. Take the gradient with respect to "
+                f"cj.vary(params, {axis_name!r}) instead, or run shard_map with "
+                "check_vma=False."
+            )
+
+
+def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    axis = cfg.axis_name
+    if axis is not None and not _compat.axis_is_bound(axis):
+        raise AxisNotBoundError(_unbound_message(axis))
+    n_rep = 1 if axis is None else _compat.axis_size(axis)
+    plan = cfg.plan(leaves, n_rep)
+    if axis is not None:
+        _check_unreduced(leaves, plan.routes, axis)
+    if state.residual.shape[0] not in (0, plan.compressed_size) or (
+        cfg.error_feedback and plan.compressed_size and state.residual.shape[0] == 0
+    ):
+        raise ValueError(
+            f"compressed_mean: the state's residual has {state.residual.shape[0]} elements but "
+            f"these gradients need {plan.compressed_size}: was the state made by init() for "
+            "other parameters?"
+        )
+    if state.server_residual.shape[0] != plan.server_residual_size:
+        raise ValueError(
+            "compressed_mean: the state was initialised for a different number of replicas "
+            f"(server residual of {state.server_residual.shape[0]} elements, {n_rep} replicas "
+            f"need {plan.server_residual_size}). Pass num_replicas={n_rep} to compressed_mean, "
+            "or create the state inside shard_map with cj.init_sharded."
+        )
+
+    step_key = jax.random.fold_in(state.key, state.count)
+    replica_key = step_key if axis is None else jax.random.fold_in(step_key, lax.axis_index(axis))
+
+    out: list[Any] = list(leaves)
+    exact_idx = [i for i, r in enumerate(plan.routes) if r == EXACT]
+    comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
+
+    # Per-leaf local finiteness of the compressed leaves, shared through the exact bucket.
+    local_ok = [jnp.all(jnp.isfinite(leaves[i])) for i in comp_idx]
+    flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok] if cfg.check_finite else []
+    exact_parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in exact_idx] + flags
+    global_bad = [jnp.logical_not(ok) for ok in local_ok]
+    if exact_parts:
+        bucket = jnp.concatenate(exact_parts)
+        if axis is not None:
+            bucket = _compat.psum(bucket, axis) / n_rep
+        pos = 0
+        for i in exact_idx:
+            size = int(np.prod(plan.shapes[i])) if plan.shapes[i] else 1
+            out[i] = bucket[pos:pos + size].reshape(plan.shapes[i]).astype(leaves[i].dtype)
+            pos += size
+        if cfg.check_finite:
+            # `!= 0` is also True for a NaN flag.
+            global_bad = [bucket[pos + k] != 0 for k in range(len(comp_idx))]
+
+    new_residual = state.residual
+    new_server = state.server_residual
+    if comp_idx:
+        parts = []
+        for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
+            g = jnp.ravel(leaves[i]).astype(jnp.float32)
+            g = jnp.pad(g, (0, seg.padded_size - seg.size))
+            if cfg.error_feedback:
+                g = g + state.residual[seg.offset:seg.offset + seg.padded_size].astype(jnp.float32)
+            parts.append(jnp.where(local_ok[k], g, 0.0))
+        x = jnp.concatenate(parts)
+        res = reduce_mean(
+            cfg.compressor, x, axis_name=axis, num_replicas=n_rep, reducer=plan.reducer,
+            key=replica_key, shared_key=step_key,
+            server_residual=state.server_residual if plan.server_residual_size else None,
+            segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
+        )
+        res_parts = []
+        for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
+            m = res.mean[seg.offset:seg.offset + seg.size]
+            m = jnp.where(global_bad[k], jnp.nan, m)
+            out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
+            if cfg.error_feedback:
+                lo, hi = seg.offset, seg.offset + seg.size
+                e = (x[lo:hi] - res.local[lo:hi]).astype(cfg.residual_dtype)
+                e = jnp.where(global_bad[k], state.residual[lo:hi], e)
+                res_parts.append(jnp.pad(e, (0, seg.padded_size - seg.size)))
+        if cfg.error_feedback:
+            new_residual = jnp.concatenate(res_parts)
+        if plan.server_residual_size:
+            any_bad = jnp.any(jnp.stack(global_bad))
+            new_server = jnp.where(any_bad, state.server_residual, res.server_residual)
+
+    new_state = CompressedMeanState(
+        count=state.count + 1, key=state.key, residual=new_residual, server_residual=new_server
+    )
+    return jax.tree_util.tree_unflatten(treedef, out), new_state
+
+
+def compressed_mean(
+    compressor: Compressor,
+    axis_name: Any = "data",
+    *,
+    error_feedback: bool = True,
+    reducer: str = "auto",
+    min_compress_size: int = 1024,
+    compress_vectors: bool = False,
+    residual_dtype: Any = jnp.float32,
+    server_error_feedback: bool = True,
+    check_finite: bool = True,
+    num_replicas: Optional[int] = None,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """Replace per-replica gradients by a compressed estimate of their mean over ``axis_name``.
+
+    Put it first in an ``optax.chain``; the optimizer after it sees a mean that is
+    identical on every replica::
+
+        tx = optax.chain(cj.compressed_mean(cj.quantize(bits=4), "data"), optax.adam(1e-3))
+
+    Maths (replica ``i`` of ``N``, compressor ``C``, worker residual ``e_i``)::
+
+        x_i = g_i + e_i;   m = R(C(x_1), ..., C(x_N)) ~ (1/N) sum_i C(x_i);   e_i <- x_i - C(x_i)
+
+    With ``error_feedback=False``, ``x_i = g_i`` and ``e`` is not kept. With the two-phase
+    reducer the owner of each chunk keeps a second, server-side residual for its
+    re-encoding of the chunk's mean (``server_error_feedback``).
+
+    Bytes per step and device: see :func:`commjax.communication_plan` (and
+    :mod:`commjax.reducers` for the formulas).
+
+    Args:
+      compressor: a commjax compressor (``cj.quantize(bits=4)``, ``cj.sign()``, ...).
+      axis_name: mesh axis (or tuple of axes) to average over, bound by ``shard_map`` or
+        ``pmap``. ``None``: no collective; the compressor still encodes and decodes.
+      error_feedback: keep the worker residual ``e`` (default True).
+      reducer: ``"auto"`` (cheapest valid), ``"allreduce"`` (linear payloads only),
+        ``"allgather"`` or ``"two_phase"``.
+      min_compress_size: floating leaves with fewer elements go to the exact bucket.
+      compress_vectors: also compress 1-D leaves of at least ``min_compress_size``.
+      residual_dtype: ``jnp.float32`` (default) or ``jnp.bfloat16`` to halve its memory.
+      server_error_feedback: the two-phase reducer's second residual (default True).
+      check_finite: share one NaN/Inf flag per compressed leaf (rides in the exact
+        bucket): a non-finite gradient on any replica makes that leaf's mean NaN on every
+        replica, and the residuals keep their previous value on that step.
+      num_replicas: replicas the state is sized for when ``init`` runs outside
+        ``shard_map`` (default: the axis size if bound, else ``jax.device_count()``).
+        Only the two-phase server residual depends on it.
+      seed: seed of the replicated PRNG key (stochastic rounding, random masks).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`CompressedMeanState`.
+      Per-replica parts: ``residual``, ``server_residual``; replicated: ``count``, ``key``.
+      Lay it out for ``shard_map`` with :func:`commjax.shard_state` and
+      :func:`commjax.state_specs`.
+
+    Raises:
+      ValueError: bad options (named in the message), at construction.
+      AxisNotBoundError: at update, if ``axis_name`` is not bound.
+    """
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"compressed_mean: `compressor` must be a commjax compressor such as "
+            f"cj.quantize(bits=8), got {compressor!r}."
+        )
+    check_reducer(compressor, reducer)
+    if isinstance(min_compress_size, bool) or not isinstance(min_compress_size, int) or min_compress_size < 1:
+        raise ValueError(f"compressed_mean: `min_compress_size` must be an integer >= 1, got {min_compress_size!r}.")
+    rname = jnp.dtype(residual_dtype).name
+    if rname not in ("float32", "bfloat16", "float16"):
+        raise ValueError(
+            f"compressed_mean: `residual_dtype` must be jnp.float32, jnp.bfloat16 or jnp.float16; got {residual_dtype!r}."
+        )
+    if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
+        raise ValueError(f"compressed_mean: `num_replicas` must be a positive integer or None, got {num_replicas!r}.")
+    cfg = ExchangeConfig(
+        compressor=compressor, axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
+        error_feedback=bool(error_feedback), reducer=reducer, min_compress_size=min_compress_size,
+        compress_vectors=bool(compress_vectors), residual_dtype=jnp.dtype(residual_dtype),
+        server_error_feedback=bool(server_error_feedback), check_finite=bool(check_finite),
+        num_replicas=num_replicas, seed=int(seed),
+    )
+
+    def init_fn(params):
+        leaves = jax.tree_util.tree_leaves(params)
+        plan = cfg.plan(leaves, _num_replicas_now(cfg))
+        n = plan.compressed_size if cfg.error_feedback else 0
+        return CompressedMeanState(
+            count=jnp.zeros((), jnp.int32),
+            key=jax.random.PRNGKey(cfg.seed),
+            residual=jnp.zeros((n,), cfg.residual_dtype),
+            server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        return _update(cfg, updates, state)
+
+    tx = optax.GradientTransformation(init_fn, update_fn)
+    return tx
