@@ -1,0 +1,461 @@
+"""Start an SPMD JAX program as N local processes (a tiny ``torchrun`` for tests and demos).
+
+Usage::
+
+    python -m commjax.launch --processes N --devices-per-process D \\
+        [--timeout S] [--grace S] [--interface IF] script.py [script args...]
+
+Each child runs ``python script.py args...`` with
+
+``COMMJAX_COORDINATOR``    ``127.0.0.1:PORT`` (a free port picked here),
+``COMMJAX_NUM_PROCESSES``  ``N``,
+``COMMJAX_PROCESS_ID``     ``0..N-1``,
+``COMMJAX_LOCAL_DEVICES``  ``D``,
+``COMMJAX_INTERFACE``      ``IF`` (only with ``--interface``),
+``JAX_PLATFORMS=cpu``      unless already set, ``PYTHONUNBUFFERED=1``,
+
+``--xla_force_host_platform_device_count`` removed from ``XLA_FLAGS`` (``D`` is the
+authority), and the directory holding this ``commjax`` package prepended to
+``PYTHONPATH``. The script calls :func:`commjax.distributed.initialize_from_env`
+before touching JAX.
+
+Each child's stdout and stderr are streamed line by line with a ``[pI] `` prefix.
+When a child exits non-zero, or ``--timeout`` seconds pass, every other child is sent
+SIGTERM (to its whole process group), then SIGKILL after ``--grace`` seconds. The exit
+status is that of the first failing child (``128 + signal`` if it was killed by a
+signal), ``124`` on time-out, ``0`` only if every child exits 0. Note that a JAX
+child with ``jax.distributed`` initialised usually survives SIGTERM: JAX's preemption
+notifier catches it (and logs ``SIGTERM caught``) to let the job reach a preemption
+sync point, so stopping such children takes the grace period and then SIGKILL.
+
+This is a convenience for one machine; on clusters use the scheduler (Slurm, mpirun,
+Kubernetes) and set the same environment variables, or call
+:func:`commjax.distributed.initialize` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, TextIO
+
+__all__ = ["LaunchResult", "launch", "free_port", "child_env", "main", "TIMEOUT_EXIT_CODE"]
+
+#: CLI exit status when ``--timeout`` expires (the same as coreutils ``timeout``).
+TIMEOUT_EXIT_CODE = 124
+
+# Kept in sync with commjax.distributed (not imported: that module imports jax, and the
+# launcher itself must stay light and never initialise a backend).
+_ENV_COORDINATOR = "COMMJAX_COORDINATOR"
+_ENV_NUM_PROCESSES = "COMMJAX_NUM_PROCESSES"
+_ENV_PROCESS_ID = "COMMJAX_PROCESS_ID"
+_ENV_LOCAL_DEVICES = "COMMJAX_LOCAL_DEVICES"
+_ENV_INTERFACE = "COMMJAX_INTERFACE"
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """Outcome of :func:`launch`.
+
+    Attributes:
+      returncodes: per process, its exit status as ``Popen.returncode`` reports it
+        (negative ``-N`` if killed by signal ``N``; ``None`` only if it could not be
+        reaped, which should not happen).
+      stdout, stderr: per process, everything it wrote (decoded, ``\\n``-joined).
+      failed_process: the first process seen to exit non-zero, or ``None``.
+      timed_out: True if the overall time-out expired.
+      terminated: ids of the processes the launcher had to stop (SIGTERM/SIGKILL).
+      elapsed: wall-clock seconds from the first start to the last exit.
+      pids: per process, its pid.
+    """
+
+    returncodes: list[int | None]
+    stdout: list[str]
+    stderr: list[str]
+    failed_process: int | None
+    timed_out: bool
+    terminated: list[int]
+    elapsed: float
+    pids: list[int]
+
+    @property
+    def ok(self) -> bool:
+        """True if every process exited 0."""
+        return all(rc == 0 for rc in self.returncodes)
+
+    @property
+    def returncode(self) -> int:
+        """One shell-style exit status for the whole job (what the CLI exits with)."""
+        if self.failed_process is not None:
+            return _shell_code(self.returncodes[self.failed_process])
+        if self.timed_out:
+            return TIMEOUT_EXIT_CODE
+        for rc in self.returncodes:
+            if rc != 0:
+                return _shell_code(rc)
+        return 0
+
+    def output(self, process_id: int) -> str:
+        """stdout then stderr of one process (for error messages)."""
+        return self.stdout[process_id] + ("\n" if self.stdout[process_id] else "") + self.stderr[process_id]
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``process 1 exited with 3; stopped [0, 2]``."""
+        parts = []
+        if self.failed_process is not None:
+            parts.append(
+                f"process {self.failed_process} exited with "
+                f"{_describe_rc(self.returncodes[self.failed_process])}"
+            )
+        if self.timed_out:
+            parts.append(f"timed out after {self.elapsed:.1f}s")
+        if self.terminated:
+            parts.append(f"stopped processes {self.terminated}")
+        if not parts:
+            parts.append("all processes exited 0" if self.ok else f"exit codes {self.returncodes}")
+        return "; ".join(parts)
+
+
+def _shell_code(rc: int | None) -> int:
+    if rc is None:
+        return 1
+    if rc < 0:
+        return 128 + (-rc)
+    return rc
+
+
+def _describe_rc(rc: int | None) -> str:
+    if rc is None:
+        return "unknown status"
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"code {rc}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _strip_device_count_flag(xla_flags: str) -> str:
+    return " ".join(
+        f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
+
+
+def child_env(
+    process_id: int,
+    processes: int,
+    devices_per_process: int,
+    coordinator: str,
+    *,
+    interface: str | None = None,
+    base: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of child ``process_id`` (see the module docstring)."""
+    env = dict(os.environ if base is None else base)
+    if extra:
+        env.update(extra)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONUNBUFFERED"] = "1"
+    if "XLA_FLAGS" in env:
+        flags = _strip_device_count_flag(env["XLA_FLAGS"])
+        if flags:
+            env["XLA_FLAGS"] = flags
+        else:
+            del env["XLA_FLAGS"]
+    package_root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if package_root not in paths:
+        paths.insert(0, package_root)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env[_ENV_COORDINATOR] = coordinator
+    env[_ENV_NUM_PROCESSES] = str(processes)
+    env[_ENV_PROCESS_ID] = str(process_id)
+    env[_ENV_LOCAL_DEVICES] = str(devices_per_process)
+    if interface:
+        env[_ENV_INTERFACE] = interface
+    else:
+        env.pop(_ENV_INTERFACE, None)
+    return env
+
+
+def _argv(script_or_argv: str | os.PathLike[str] | Sequence[str], python: str) -> list[str]:
+    if isinstance(script_or_argv, (str, os.PathLike)):
+        return [python, os.fspath(script_or_argv)]
+    argv = [os.fspath(a) for a in script_or_argv]
+    if not argv:
+        raise ValueError("script_or_argv is empty: give a script path or python arguments")
+    return [python, *argv]
+
+
+class _Pump(threading.Thread):
+    """Reads one child stream line by line: stores it and optionally echoes it."""
+
+    def __init__(self, stream: IO[bytes], prefix: str, sink: TextIO | None, lock: threading.Lock):
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.prefix = prefix
+        self.sink = sink
+        self.lock = lock
+        self.lines: list[str] = []
+
+    def run(self) -> None:
+        try:
+            for raw in iter(self.stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                self.lines.append(line)
+                if self.sink is not None:
+                    with self.lock:
+                        try:
+                            self.sink.write(f"{self.prefix}{line}\n")
+                            self.sink.flush()
+                        except (OSError, ValueError):
+                            self.sink = None  # closed sink: keep capturing
+        except (OSError, ValueError):
+            pass
+        finally:
+            try:
+                self.stream.close()
+            except OSError:
+                pass
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # children run in their own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except (ProcessLookupError, OSError):
+            pass
+
+
+def launch(
+    script_or_argv: str | os.PathLike[str] | Sequence[str],
+    processes: int,
+    devices_per_process: int = 1,
+    *,
+    args: Sequence[str] = (),
+    timeout: float | None = None,
+    grace: float = 5.0,
+    interface: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stream: bool = True,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    kill_on_failure: bool = True,
+    python: str | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> LaunchResult:
+    """Runs ``processes`` copies of a Python program as one ``jax.distributed`` job.
+
+    Args:
+      script_or_argv: a script path, or the arguments that follow ``python`` (e.g.
+        ``["worker.py", "--steps", "3"]``, ``["-m", "pkg.mod"]``, ``["-c", "code"]``).
+      processes: number of processes N >= 1.
+      devices_per_process: CPU devices per process D >= 1.
+      args: more arguments appended to the command line.
+      timeout: overall seconds before every child is stopped (``None``: no limit).
+      grace: seconds between SIGTERM and SIGKILL when stopping children.
+      interface: network interface gloo should advertise (``COMMJAX_INTERFACE``).
+      env: extra environment variables for every child.
+      stream: echo child lines, prefixed ``[pI] ``, to ``stdout``/``stderr`` (default
+        ``sys.stdout``/``sys.stderr``) while they run. Output is captured either way.
+      kill_on_failure: stop the others when one child exits non-zero (default). With
+        False the launcher waits for every child (up to ``timeout``): used to observe
+        JAX's own failure detection.
+      python: interpreter to run (default ``sys.executable``).
+      cwd: working directory of the children.
+
+    Returns:
+      A :class:`LaunchResult`; no exception is raised for failing children.
+
+    Raises:
+      ValueError: for ``processes < 1``, ``devices_per_process < 1``, a negative
+        timeout or grace, or an empty command.
+    """
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be an int >= 1, got {processes!r}")
+    if not isinstance(devices_per_process, int) or devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be an int >= 1, got {devices_per_process!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if grace < 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace!r}")
+    argv = _argv(script_or_argv, python or sys.executable) + [os.fspath(a) for a in args]
+    coordinator = f"127.0.0.1:{free_port()}"
+    out_sink = (stdout or sys.stdout) if stream else None
+    err_sink = (stderr or sys.stderr) if stream else None
+    lock = threading.Lock()
+
+    procs: list[subprocess.Popen] = []
+    pumps: list[tuple[_Pump, _Pump]] = []
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    failed: int | None = None
+    timed_out = False
+    terminated: list[int] = []
+
+    def stop_all(reason_ids: Sequence[int]) -> None:
+        alive = [i for i in reason_ids if procs[i].poll() is None]
+        terminated.extend(i for i in alive if i not in terminated)
+        for i in alive:
+            _signal_group(procs[i], signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(procs[i].poll() is None for i in alive):
+            time.sleep(0.05)
+        for i in alive:
+            if procs[i].poll() is None:
+                _signal_group(procs[i], signal.SIGKILL)
+        for i in alive:
+            try:
+                procs[i].wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+                pass
+
+    try:
+        for i in range(processes):
+            proc = subprocess.Popen(
+                argv,
+                env=child_env(i, processes, devices_per_process, coordinator,
+                              interface=interface, extra=env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                start_new_session=True,
+            )
+            procs.append(proc)
+            pair = (
+                _Pump(proc.stdout, f"[p{i}] ", out_sink, lock),  # type: ignore[arg-type]
+                _Pump(proc.stderr, f"[p{i}] ", err_sink, lock),  # type: ignore[arg-type]
+            )
+            for p in pair:
+                p.start()
+            pumps.append(pair)
+
+        while True:
+            codes = [p.poll() for p in procs]
+            if failed is None:
+                for i, rc in enumerate(codes):
+                    if rc is not None and rc != 0:
+                        failed = i
+                        break
+                if failed is not None and kill_on_failure:
+                    # Report the first failure; among simultaneous ones, the lowest id.
+                    stop_all(range(processes))
+                    break
+            if all(rc is not None for rc in codes):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                stop_all(range(processes))
+                break
+            time.sleep(0.05)
+    except BaseException:  # KeyboardInterrupt, SIGTERM-as-exception, spawn errors
+        stop_all(range(len(procs)))
+        raise
+    finally:
+        # Children of children may still hold the pipes: never wait forever on them.
+        for pair in pumps:
+            for p in pair:
+                p.join(timeout=5)
+
+    elapsed = time.monotonic() - start
+    return LaunchResult(
+        returncodes=[p.returncode for p in procs],
+        stdout=["\n".join(o.lines) for o, _ in pumps],
+        stderr=["\n".join(e.lines) for _, e in pumps],
+        failed_process=failed,
+        timed_out=timed_out,
+        terminated=sorted(terminated),
+        elapsed=elapsed,
+        pids=[p.pid for p in procs],
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m commjax.launch",
+        description=(
+            "Run a JAX script as N local processes joined by jax.distributed (CPU "
+            "collectives: gloo). Each child gets COMMJAX_COORDINATOR, "
+            "COMMJAX_NUM_PROCESSES, COMMJAX_PROCESS_ID, COMMJAX_LOCAL_DEVICES (and "
+            "COMMJAX_INTERFACE) and should call "
+            "commjax.distributed.initialize_from_env() before using JAX. Output lines "
+            "are prefixed with [pI]. If a child fails, the others are terminated and its "
+            "exit code is returned; 124 on --timeout; 0 only if all children exit 0."
+        ),
+    )
+    p.add_argument("--processes", "-n", type=int, required=True, metavar="N",
+                   help="number of processes to start (>= 1)")
+    p.add_argument("--devices-per-process", "-d", type=int, default=1, metavar="D",
+                   help="CPU devices per process, via jax_num_cpu_devices (default 1)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop every child after S seconds and exit 124 (default: no limit)")
+    p.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping children (default 5)")
+    p.add_argument("--interface", default=None, metavar="IF",
+                   help="network interface whose address gloo advertises, e.g. eth0")
+    p.add_argument("script", help="Python script to run in every process")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status."""
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if ns.processes < 1:
+        parser.error(f"--processes must be >= 1, got {ns.processes}")
+    if ns.devices_per_process < 1:
+        parser.error(f"--devices-per-process must be >= 1, got {ns.devices_per_process}")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout must be > 0, got {ns.timeout}")
+    if ns.grace < 0:
+        parser.error(f"--grace must be >= 0, got {ns.grace}")
+    if not os.path.exists(ns.script):
+        parser.error(f"script not found: {ns.script}")
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"launcher received signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        result = launch(
+            ns.script,
+            ns.processes,
+            ns.devices_per_process,
+            args=ns.script_args,
+            timeout=ns.timeout,
+            grace=ns.grace,
+            interface=ns.interface,
+        )
+    except KeyboardInterrupt:
+        print("[launch] interrupted: children stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not result.ok or result.timed_out:
+        print(f"[launch] {result.describe()}", file=sys.stderr, flush=True)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
