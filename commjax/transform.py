@@ -183,6 +183,11 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 g = g + state.residual[seg.offset:seg.offset + seg.padded_size].astype(jnp.float32)
             parts.append(jnp.where(local_ok[k], g, 0.0))
         x = jnp.concatenate(parts)
+        if exact_parts and axis is not None:
+            # Sequence the exact all-reduce before the compressed collectives: XLA may
+            # otherwise start independent collectives in a different order on different
+            # devices, which deadlocks runtimes that rendezvous per collective (CPU).
+            bucket, x = lax.optimization_barrier((bucket, x))
         res = reduce_mean(
             cfg.compressor, x, axis_name=axis, num_replicas=n_rep, reducer=plan.reducer,
             key=replica_key, shared_key=step_key,
