@@ -82,12 +82,19 @@ class CommunicationPlan:
 
 
 def route_leaf(
-    shape: Sequence[int], dtype: Any, *, min_compress_size: int, compress_vectors: bool
+    shape: Sequence[int],
+    dtype: Any,
+    *,
+    min_compress_size: int,
+    compress_vectors: bool,
+    compressor: Optional[Compressor] = None,
 ) -> str:
     if not jnp.issubdtype(dtype, jnp.floating):
         return PASS
     size = int(np.prod(shape)) if len(shape) else 1
     if size < min_compress_size or (len(shape) < 2 and not compress_vectors):
+        return EXACT
+    if compressor is not None and not compressor.accepts(tuple(shape)):
         return EXACT
     return COMPRESS
 
@@ -109,7 +116,7 @@ def make_plan(
     for leaf in leaves:
         shape = tuple(int(d) for d in jnp.shape(leaf))
         r = route_leaf(shape, jnp.result_type(leaf), min_compress_size=min_compress_size,
-                       compress_vectors=compress_vectors)
+                       compress_vectors=compress_vectors, compressor=compressor)
         routes.append(r)
         shapes.append(shape)
         size = int(np.prod(shape)) if shape else 1
@@ -122,8 +129,12 @@ def make_plan(
     if check_finite and segments:
         exact += len(segments)
     n = offset
-    red = choose_reducer(compressor, reducer, max(n, align), num_replicas, segments)
-    comp_bytes = reducer_wire_bytes(compressor, n, num_replicas, red, segments) if n else 0.0
+    if compressor.has_exchange:
+        red = "custom" if num_replicas > 1 else "none"
+        comp_bytes = compressor.exchange_bytes(segments, num_replicas) if n and num_replicas > 1 else 0.0
+    else:
+        red = choose_reducer(compressor, reducer, max(n, align), num_replicas, segments)
+        comp_bytes = reducer_wire_bytes(compressor, n, num_replicas, red, segments) if n else 0.0
     exact_bytes = ring_bytes("all-reduce", 4 * exact, num_replicas) if exact else 0.0
     return CommunicationPlan(
         routes=tuple(routes),

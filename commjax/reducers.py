@@ -150,10 +150,6 @@ def choose_reducer(
     return min(options)[2]
 
 
-def _encode(compressor, x, key, segments):
-    return compressor.encode(x, key, segments)
-
-
 def reduce_mean(
     compressor: Compressor,
     x: jax.Array,
@@ -177,7 +173,7 @@ def reduce_mean(
     enc_key = shared_key if compressor.shared_randomness else key
     empty = jnp.zeros((0,), jnp.float32)
     if reducer == "none" or num_replicas <= 1 or axis_name is None:
-        local = compressor.decode(_encode(compressor, x, enc_key, segments), n, segments)
+        local = compressor.encode_and_decode(x, enc_key, segments)[1]
         return ReduceResult(local, local, empty if server_residual is None else server_residual)
 
     if reducer == "allreduce":
@@ -187,8 +183,7 @@ def reduce_mean(
         return ReduceResult(total / num_replicas, local, empty if server_residual is None else server_residual)
 
     if reducer == "allgather":
-        words = _encode(compressor, x, enc_key, segments)
-        local = compressor.decode(words, n, segments)
+        words, local = compressor.encode_and_decode(x, enc_key, segments)
         gathered = _compat.all_gather_invariant(words, axis_name, tiled=False)  # [N, P]
         total = jnp.zeros((n,), jnp.float32)
         # Replica order is fixed, so every replica computes the identical sum.
@@ -201,8 +196,8 @@ def reduce_mean(
         xp = jnp.pad(x, (0, m - n))
         block = compressor.alignment
         chunk = m // num_replicas
-        words = _encode(compressor, xp, enc_key, None)
-        local = compressor.decode(words, m, None)[:n]
+        words, local = compressor.encode_and_decode(xp, enc_key, None)
+        local = local[:n]
         row = words.shape[0] // (m // block)
         rows = words.reshape(num_replicas, (chunk // block) * row)
         received = _compat.all_to_all(rows, axis_name)  # [N, chunk words], from each replica
@@ -215,8 +210,8 @@ def reduce_mean(
         else:
             server_in = mine + server_residual.astype(jnp.float32)
         server_key = None if enc_key is None else jax.random.fold_in(enc_key, 0x5E7)
-        server_words = _encode(compressor, server_in, server_key, None)
-        new_server = server_in - compressor.decode(server_words, chunk, None)
+        server_words, server_local = compressor.encode_and_decode(server_in, server_key, None)
+        new_server = server_in - server_local
         if server_residual is None or not server_error_feedback:
             new_server = empty if server_residual is None else jnp.zeros_like(server_residual)
         else:

@@ -28,7 +28,7 @@ from commjax import _compat
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
-from commjax.reducers import REDUCERS, check_reducer, reduce_mean
+from commjax.reducers import REDUCERS, ReduceResult, check_reducer, reduce_mean
 
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
 
@@ -37,7 +37,7 @@ class AxisNotBoundError(NameError):
     """``compressed_mean`` was called where its mesh axis is not bound."""
 
 
-@per_replica("residual", "server_residual")
+@per_replica("residual", "server_residual", "metrics")
 class CompressedMeanState(NamedTuple):
     """State of :func:`compressed_mean`.
 
@@ -50,18 +50,27 @@ class CompressedMeanState(NamedTuple):
         flat (``float32`` or ``residual_dtype``); shape ``[0]`` without error feedback.
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
         chunk of the bucket; shape ``[0]`` for other reducers.
+      compressor_state: replicated state of a compressor with its own exchange (PowerSGD's
+        Q factors); ``()`` otherwise.
+      metrics: per-replica ``float32[1]`` values of the last step, computed locally with no
+        extra collective: ``residual_norm`` (l2 norm of this replica's worker residual),
+        ``nonfinite`` (1 if a compressed leaf was non-finite on some replica), and the
+        compressor's own (``compressor.metric_names``).
     """
 
     count: jax.Array
     key: jax.Array
     residual: jax.Array
     server_residual: jax.Array
+    compressor_state: Any
+    metrics: dict
 
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeConfig:
     compressor: Compressor
     axis_name: Any
+    inner_axis_name: Any
     error_feedback: bool
     reducer: str
     min_compress_size: int
@@ -125,12 +134,21 @@ def _check_unreduced(leaves, routes, axis_name) -> None:
 def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     axis = cfg.axis_name
-    if axis is not None and not _compat.axis_is_bound(axis):
-        raise AxisNotBoundError(_unbound_message(axis))
+    for name in (axis, cfg.inner_axis_name):
+        if name is not None and not _compat.axis_is_bound(name):
+            raise AxisNotBoundError(_unbound_message(name))
     n_rep = 1 if axis is None else _compat.axis_size(axis)
     plan = cfg.plan(leaves, n_rep)
     if axis is not None:
         _check_unreduced(leaves, plan.routes, axis)
+    if cfg.inner_axis_name is not None:
+        # Exact mean over the fast inner axis first; only the slow axis sees compression.
+        inner = cfg.inner_axis_name
+        leaves = [
+            l if r == PASS else (_compat.psum(l.astype(jnp.float32), inner)
+                                 / _compat.axis_size(inner)).astype(l.dtype)
+            for l, r in zip(leaves, plan.routes)
+        ]
     if state.residual.shape[0] not in (0, plan.compressed_size) or (
         cfg.error_feedback and plan.compressed_size and state.residual.shape[0] == 0
     ):
@@ -174,6 +192,8 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
 
     new_residual = state.residual
     new_server = state.server_residual
+    new_comp_state = state.compressor_state
+    comp_metrics: dict = {}
     if comp_idx:
         parts = []
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
@@ -188,12 +208,24 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             # otherwise start independent collectives in a different order on different
             # devices, which deadlocks runtimes that rendezvous per collective (CPU).
             bucket, x = lax.optimization_barrier((bucket, x))
-        res = reduce_mean(
-            cfg.compressor, x, axis_name=axis, num_replicas=n_rep, reducer=plan.reducer,
-            key=replica_key, shared_key=step_key,
-            server_residual=state.server_residual if plan.server_residual_size else None,
-            segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
-        )
+        comp_metrics = cfg.compressor.local_metrics(x, plan.segments)
+        if cfg.compressor.has_exchange:
+            mean, local, comp_state = cfg.compressor.exchange(
+                x, plan.segments, state.compressor_state, axis_name=axis if n_rep > 1 else None,
+                num_replicas=n_rep, key=replica_key, shared_key=step_key, count=state.count,
+            )
+            res = ReduceResult(mean, local, state.server_residual)
+            any_bad = jnp.any(jnp.stack(global_bad))
+            new_comp_state = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(any_bad, old, new), comp_state, state.compressor_state
+            )
+        else:
+            res = reduce_mean(
+                cfg.compressor, x, axis_name=axis, num_replicas=n_rep, reducer=plan.reducer,
+                key=replica_key, shared_key=step_key,
+                server_residual=state.server_residual if plan.server_residual_size else None,
+                segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
+            )
         res_parts = []
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
             m = res.mean[seg.offset:seg.offset + seg.size]
@@ -210,8 +242,16 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             any_bad = jnp.any(jnp.stack(global_bad))
             new_server = jnp.where(any_bad, state.server_residual, res.server_residual)
 
+    metrics = {
+        "residual_norm": jnp.linalg.norm(new_residual.astype(jnp.float32)).reshape(1),
+        "nonfinite": (jnp.any(jnp.stack(global_bad)) if global_bad else jnp.zeros((), bool))
+        .astype(jnp.float32).reshape(1),
+    }
+    for name in cfg.compressor.metric_names:
+        metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
     new_state = CompressedMeanState(
-        count=state.count + 1, key=state.key, residual=new_residual, server_residual=new_server
+        count=state.count + 1, key=state.key, residual=new_residual, server_residual=new_server,
+        compressor_state=new_comp_state, metrics=metrics,
     )
     return jax.tree_util.tree_unflatten(treedef, out), new_state
 
@@ -220,6 +260,7 @@ def compressed_mean(
     compressor: Compressor,
     axis_name: Any = "data",
     *,
+    inner_axis_name: Any = None,
     error_feedback: bool = True,
     reducer: str = "auto",
     min_compress_size: int = 1024,
@@ -252,6 +293,10 @@ def compressed_mean(
       compressor: a commjax compressor (``cj.quantize(bits=4)``, ``cj.sign()``, ...).
       axis_name: mesh axis (or tuple of axes) to average over, bound by ``shard_map`` or
         ``pmap``. ``None``: no collective; the compressor still encodes and decodes.
+      inner_axis_name: hierarchical exchange on a 2-D mesh: first the exact fp32 mean over
+        this fast axis (NVLink/ICI), then compression only over ``axis_name`` (DCN).
+        Error-feedback state is per ``axis_name`` replica and identical across the inner
+        axis; lay it out with ``cj.state_specs(state, axis_name)``.
       error_feedback: keep the worker residual ``e`` (default True).
       reducer: ``"auto"`` (cheapest valid), ``"allreduce"`` (linear payloads only),
         ``"allgather"`` or ``"two_phase"``.
@@ -282,7 +327,25 @@ def compressed_mean(
             f"compressed_mean: `compressor` must be a commjax compressor such as "
             f"cj.quantize(bits=8), got {compressor!r}."
         )
-    check_reducer(compressor, reducer)
+    if compressor.has_exchange:
+        if reducer not in ("auto",):
+            raise ValueError(
+                f"compressed_mean: {compressor.name} runs its own exchange; `reducer` must be "
+                f"'auto', got {reducer!r}."
+            )
+    else:
+        check_reducer(compressor, reducer)
+    if inner_axis_name is not None:
+        if axis_name is None:
+            raise ValueError("compressed_mean: `inner_axis_name` needs an outer `axis_name`.")
+        outer = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+        inner_set = set(inner_axis_name) if isinstance(inner_axis_name, (tuple, list)) else {inner_axis_name}
+        if outer & inner_set:
+            raise ValueError(
+                f"compressed_mean: `inner_axis_name` ({inner_axis_name!r}) must differ from "
+                f"`axis_name` ({axis_name!r}): the inner axis is averaged exactly, the outer "
+                "one compressed."
+            )
     if isinstance(min_compress_size, bool) or not isinstance(min_compress_size, int) or min_compress_size < 1:
         raise ValueError(f"compressed_mean: `min_compress_size` must be an integer >= 1, got {min_compress_size!r}.")
     rname = jnp.dtype(residual_dtype).name
@@ -294,6 +357,7 @@ def compressed_mean(
         raise ValueError(f"compressed_mean: `num_replicas` must be a positive integer or None, got {num_replicas!r}.")
     cfg = ExchangeConfig(
         compressor=compressor, axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
+        inner_axis_name=tuple(inner_axis_name) if isinstance(inner_axis_name, list) else inner_axis_name,
         error_feedback=bool(error_feedback), reducer=reducer, min_compress_size=min_compress_size,
         compress_vectors=bool(compress_vectors), residual_dtype=jnp.dtype(residual_dtype),
         server_error_feedback=bool(server_error_feedback), check_finite=bool(check_finite),
@@ -302,13 +366,24 @@ def compressed_mean(
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves(params)
-        plan = cfg.plan(leaves, _num_replicas_now(cfg))
+        n_rep = _num_replicas_now(cfg)
+        plan = cfg.plan(leaves, n_rep)
         n = plan.compressed_size if cfg.error_feedback else 0
+        key = jax.random.PRNGKey(cfg.seed)
+        comp_state = ()
+        if compressor.has_exchange and plan.segments:
+            comp_state = compressor.init_exchange_state(
+                plan.segments, n_rep, jax.random.fold_in(key, 0xC0DE)
+            )
+        metrics = {name: jnp.zeros((1,), jnp.float32)
+                   for name in ("residual_norm", "nonfinite") + tuple(compressor.metric_names)}
         return CompressedMeanState(
             count=jnp.zeros((), jnp.int32),
-            key=jax.random.PRNGKey(cfg.seed),
+            key=key,
             residual=jnp.zeros((n,), cfg.residual_dtype),
             server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
+            compressor_state=comp_state,
+            metrics=metrics,
         )
 
     def update_fn(updates, state, params=None):

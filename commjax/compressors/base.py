@@ -85,6 +85,53 @@ class Compressor:
     stochastic: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
 
+    # A compressor that runs its own exchange (several collectives, state of its own:
+    # PowerSGD) sets this and implements the three ``exchange*`` methods below.
+    has_exchange: ClassVar[bool] = False
+    # Names of the per-replica scalar metrics that local_metrics() returns.
+    metric_names: ClassVar[tuple[str, ...]] = ()
+
+    def accepts(self, shape: tuple[int, ...]) -> bool:
+        """Whether a leaf of this shape is worth compressing (else: the exact bucket)."""
+        return True
+
+    def local_metrics(self, x: jax.Array, segments: Sequence[Segment]) -> dict[str, jax.Array]:
+        """Scalars about this replica's input ``x`` (no communication), by metric_names."""
+        return {}
+
+    def encode_and_decode(
+        self, x: jax.Array, key: Optional[jax.Array], segments: Optional[Sequence[Segment]] = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(encode(x), decode(encode(x)))``: the payload and what it decodes to, which error
+        feedback subtracts. Kernels may compute both in one pass."""
+        words = self.encode(x, key, segments)
+        return words, self.decode(words, x.shape[0], segments)
+
+    def init_exchange_state(self, segments: Sequence[Segment], num_replicas: int, key: jax.Array) -> Any:
+        """Replicated state of a custom exchange (``has_exchange``), e.g. PowerSGD's Q."""
+        return ()
+
+    def exchange(
+        self,
+        x: jax.Array,
+        segments: Sequence[Segment],
+        state: Any,
+        *,
+        axis_name: Any,
+        num_replicas: int,
+        key: Optional[jax.Array],
+        shared_key: jax.Array,
+        count: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, Any]:
+        """Custom exchange of the flat bucket ``x``: returns ``(mean, local, new_state)``,
+        ``mean`` identical on every replica and ``local`` what error feedback subtracts
+        from ``x``. ``axis_name=None`` means one replica and no collective."""
+        raise NotImplementedError
+
+    def exchange_bytes(self, segments: Sequence[Segment], num_replicas: int) -> float:
+        """Analytic per-device ring bytes of one :meth:`exchange`."""
+        raise NotImplementedError
+
     # Flat buffers handed to encode() have a length that is a multiple of this.
     @property
     def alignment(self) -> int:
