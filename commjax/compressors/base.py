@@ -24,6 +24,7 @@ reduced with ``psum`` (quantized integer payloads would wrap around).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, Optional, Sequence
 
 import jax
@@ -174,12 +175,17 @@ class Compressor:
     def roundtrip(self, x: jax.Array, key: Optional[jax.Array] = None) -> jax.Array:
         """``decode(encode(x))`` for any shape and float dtype: the compressor's numerical
         effect on one replica, with the input's shape and dtype."""
+        x = jnp.asarray(x)
         flat = jnp.ravel(x).astype(jnp.float32)
         n = flat.shape[0]
         padded = -(-max(n, 1) // self.alignment) * self.alignment
-        flat = jnp.pad(flat, (0, padded - n))
-        segments = (Segment(0, n, padded, tuple(x.shape)),)
-        out = self.decode(self.encode(flat, key, segments), padded, segments)
+        size = padded
+        if self.chunkable:
+            # Blocks are independent: compile once per size class, not once per shape.
+            size = 1 << (padded - 1).bit_length()
+            size = -(-size // self.alignment) * self.alignment
+        segments = None if self.chunkable else (Segment(0, n, padded, tuple(x.shape)),)
+        out = _jit_roundtrip(self, jnp.pad(flat, (0, size - n)), key, segments)
         return out[:n].reshape(x.shape).astype(x.dtype)
 
 
@@ -225,3 +231,11 @@ class BlockCompressor(Compressor):
     def decode(self, payload, n, segments=None):
         rows = payload.reshape(n // self.block, self.row_words)
         return self.decode_blocks(rows).reshape(n)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _jit_roundtrip(
+    compressor: Compressor, flat: jax.Array, key: Optional[jax.Array], segments: tuple
+) -> jax.Array:
+    size = flat.shape[0]
+    return compressor.decode(compressor.encode(flat, key, segments), size, segments)

@@ -1,0 +1,256 @@
+"""Codec properties of the block compressors, with no communication."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import commjax as cj
+from commjax.packing import pack_codes, packed_words, unpack_codes
+
+BLOCK_CODECS = {
+    "identity": cj.identity(),
+    "cast_bf16": cj.cast(jnp.bfloat16),
+    "cast_fp16": cj.cast(jnp.float16),
+    "q8": cj.quantize(8),
+    "q4": cj.quantize(4),
+    "q2": cj.quantize(2),
+    "q8_nearest": cj.quantize(8, stochastic=False),
+    "q4_nearest": cj.quantize(4, stochastic=False),
+    "q2_nearest": cj.quantize(2, stochastic=False),
+    "q4_block100": cj.quantize(4, block_size=100),
+    "qsgd": cj.qsgd(),
+    "qsgd7": cj.qsgd(levels=7, block_size=64),
+    "terngrad": cj.terngrad(),
+    "sign": cj.sign(),
+    "sign_block33": cj.sign(block_size=33),
+}
+
+
+def _x(n, seed=0, dtype=jnp.float32):
+    return (jax.random.normal(jax.random.PRNGKey(seed), (n,)) * 3.0).astype(dtype)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8, 16])
+@pytest.mark.parametrize("block", [1, 31, 32, 33, 4097])
+def test_pack_roundtrip_awkward_block_sizes(bits, block):
+    rng = np.random.default_rng(bits * 1000 + block)
+    codes = rng.integers(0, 2**bits, size=(3, block), dtype=np.uint64).astype(np.uint32)
+    words = pack_codes(jnp.asarray(codes), bits)
+    assert words.dtype == jnp.uint32
+    assert words.shape == (3, packed_words(block, bits))
+    np.testing.assert_array_equal(np.asarray(unpack_codes(words, bits, block)), codes)
+
+
+def test_pack_large_flat_roundtrip():
+    n = 2**20 + 3
+    codes = jax.random.randint(jax.random.PRNGKey(3), (1, n), 0, 16).astype(jnp.uint32)
+    words = pack_codes(codes, 4)
+    np.testing.assert_array_equal(np.asarray(unpack_codes(words, 4, n)), np.asarray(codes))
+
+
+def test_pack_bit_layout_is_documented_one():
+    codes = np.zeros(64, np.uint32)
+    codes[0], codes[31], codes[33] = 1, 1, 1
+    words = np.asarray(pack_codes(jnp.asarray(codes), 1))
+    assert words.tolist() == [0x80000001, 0x2]
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_CODECS))
+@pytest.mark.parametrize("n", [1, 31, 33, 4097])
+def test_roundtrip_shape_dtype_awkward_sizes(name, n):
+    comp = BLOCK_CODECS[name]
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16) if n == 33 else (jnp.float32,):
+        x = _x(n, seed=n, dtype=dtype)
+        y = comp.roundtrip(x, jax.random.PRNGKey(1))
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert bool(jnp.all(jnp.isfinite(y)))
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_CODECS))
+def test_all_zero_blocks_decode_to_exact_zeros(name):
+    comp = BLOCK_CODECS[name]
+    x = jnp.zeros((777,), jnp.float32)
+    y = comp.roundtrip(x, jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(y), 0.0)
+    # A zero block next to a non-zero block stays exactly zero too.
+    b = comp.alignment
+    x = jnp.concatenate([jnp.zeros((b * 2,)), _x(b)])
+    y = comp.roundtrip(x, jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(y[: 2 * b]), 0.0)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("block", [256, 100])
+def test_nearest_rounding_within_half_a_step(bits, block):
+    comp = cj.quantize(bits, block_size=block, stochastic=False)
+    n = block * 13
+    x = _x(n, seed=bits)
+    y = comp.roundtrip(x)
+    scales = np.abs(np.asarray(x).reshape(-1, block)).max(axis=1)
+    step = scales / (2 ** (bits - 1) - 1)
+    err = np.abs(np.asarray(y) - np.asarray(x)).reshape(-1, block)
+    # half a step, plus fp32 round-off of the scale arithmetic
+    assert np.all(err <= step[:, None] * (0.5 + 1e-5) + 1e-7)
+    # The block maximum is represented exactly (up to round-off).
+    idx = np.abs(np.asarray(x).reshape(-1, block)).argmax(axis=1)
+    got = np.asarray(y).reshape(-1, block)[np.arange(len(idx)), idx]
+    want = np.asarray(x).reshape(-1, block)[np.arange(len(idx)), idx]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,rel", [(jnp.bfloat16, 2**-8), (jnp.float16, 2**-11)])
+def test_cast_is_round_to_nearest(dtype, rel):
+    x = _x(1000, seed=7) * 10.0
+    y = cj.cast(dtype).roundtrip(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x.astype(dtype).astype(jnp.float32)))
+    assert np.all(np.abs(np.asarray(y - x)) <= rel * np.abs(np.asarray(x)) + 1e-30)
+
+
+def test_cast_fp16_saturates_instead_of_inf():
+    x = jnp.array([1e6, -1e6, 3.0, 70000.0])
+    y = cj.cast(jnp.float16).roundtrip(x)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    np.testing.assert_array_equal(np.asarray(y), [65504.0, -65504.0, 3.0, 65504.0])
+
+
+@pytest.mark.parametrize(
+    "name", ["q8", "q4", "q2", "qsgd", "qsgd7", "terngrad", "q4_block100"]
+)
+def test_stochastic_codecs_are_unbiased(name):
+    comp = BLOCK_CODECS[name]
+    b = comp.alignment
+    x = _x(2 * b, seed=11)
+    # Include exact zeros and the block maximum.
+    x = x.at[3].set(0.0)
+    k = 4000
+    keys = jax.random.split(jax.random.PRNGKey(5), k)
+    ys = np.asarray(jax.jit(jax.vmap(lambda key: comp.roundtrip(x, key)))(keys), np.float64)
+    mean = ys.mean(axis=0)
+    se = ys.std(axis=0, ddof=1) / np.sqrt(k)
+    err = np.abs(mean - np.asarray(x, np.float64))
+    deterministic = se == 0
+    # Where every draw agreed the value must be exact; elsewhere within 4 standard errors
+    # (plus fp32 round-off of the decode).
+    assert np.all(err[deterministic] <= 1e-6 * (1 + np.abs(np.asarray(x))[deterministic]))
+    z = err[~deterministic] / se[~deterministic]
+    assert z.max() < 4.5, f"max z-score {z.max():.2f}"
+    # Stochastic rounding actually happened (not silently nearest rounding).
+    assert (~deterministic).sum() > b // 2
+
+
+def test_nearest_rounding_is_deterministic_and_stochastic_is_not():
+    x = _x(512, seed=2)
+    near = cj.quantize(4, stochastic=False)
+    sto = cj.quantize(4)
+    np.testing.assert_array_equal(
+        np.asarray(near.roundtrip(x, jax.random.PRNGKey(0))),
+        np.asarray(near.roundtrip(x, jax.random.PRNGKey(1))),
+    )
+    assert not np.array_equal(
+        np.asarray(sto.roundtrip(x, jax.random.PRNGKey(0))),
+        np.asarray(sto.roundtrip(x, jax.random.PRNGKey(1))),
+    )
+
+
+def test_stochastic_requires_key():
+    with pytest.raises(ValueError, match="key"):
+        cj.quantize(8).roundtrip(_x(256), None)
+
+
+@pytest.mark.parametrize("block", [256, 33, 1])
+def test_sign_bits_and_scales_exact(block):
+    comp = cj.sign(block_size=block)
+    n = block * 7
+    x = _x(n, seed=block)
+    words = comp.encode(x, None)
+    rows = np.asarray(words).reshape(n // block, comp.row_words)
+    scales = rows[:, -1].view(np.float32)
+    expect_scales = np.abs(np.asarray(x)).reshape(-1, block).mean(axis=1).astype(np.float32)
+    np.testing.assert_allclose(scales, expect_scales, rtol=1e-6)
+    bits = np.asarray(unpack_codes(jnp.asarray(rows[:, :-1]), 1, block))
+    np.testing.assert_array_equal(bits, (np.asarray(x) >= 0).reshape(-1, block))
+    y = np.asarray(comp.decode(words, n)).reshape(-1, block)
+    np.testing.assert_array_equal(y, np.where(bits == 1, 1.0, -1.0) * scales[:, None])
+
+
+def test_bits_per_element_reported():
+    assert cj.identity().bits_per_element() == 32
+    assert cj.cast().bits_per_element() == 16
+    assert cj.quantize(8).bits_per_element() == pytest.approx(8 + 32 / 256)
+    assert cj.quantize(4).bits_per_element() == pytest.approx(4 + 32 / 256)
+    assert cj.quantize(2).bits_per_element() == pytest.approx(2 + 32 / 256)
+    assert cj.terngrad().bits_per_element() == pytest.approx(2 + 32 / 256)
+    assert cj.sign().bits_per_element() == pytest.approx(1 + 32 / 256)
+    assert cj.qsgd(levels=16).bits_per_element() == pytest.approx(6 + 32 / 256)
+    assert cj.qsgd(levels=7).bits_per_element() == pytest.approx(4 + 32 / 256)
+
+
+def test_payload_bytes_match_encoded_size():
+    for name, comp in BLOCK_CODECS.items():
+        n = comp.alignment * 9
+        words = comp.encode(_x(n), jax.random.PRNGKey(0))
+        assert words.dtype == jnp.uint32, name
+        assert words.size * 4 == comp.payload_bytes(n), name
+
+
+@pytest.mark.parametrize(
+    "factory,kwargs,match",
+    [
+        (cj.quantize, {"bits": 3}, "bits"),
+        (cj.quantize, {"bits": 8, "block_size": 0}, "block_size"),
+        (cj.quantize, {"bits": 8, "block_size": -4}, "block_size"),
+        (cj.qsgd, {"levels": 0}, "levels"),
+        (cj.qsgd, {"block_size": 0}, "block_size"),
+        (cj.sign, {"block_size": 0}, "block_size"),
+        (cj.terngrad, {"block_size": 2.5}, "block_size"),
+        (cj.terngrad, {"clip_sigma": -1.0}, "clip_sigma"),
+        (cj.cast, {"dtype": jnp.int8}, "dtype"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(factory, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        factory(**kwargs)
+
+
+def test_compressors_are_immutable_and_hashable():
+    c = cj.quantize(4)
+    with pytest.raises(Exception):
+        c.num_bits = 8  # type: ignore[misc]
+    assert hash(c) == hash(cj.quantize(4)) and c == cj.quantize(4)
+
+
+# Property tests over shapes, sizes and dtypes for every codec.
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(sorted(BLOCK_CODECS)),
+    shape=st.lists(st.integers(1, 40), min_size=0, max_size=3).map(tuple),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_property_roundtrip(name, shape, dtype, scale, seed):
+    comp = BLOCK_CODECS[name]
+    x = (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
+    y = comp.roundtrip(x, jax.random.PRNGKey(seed + 1))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    xf = np.asarray(x, np.float32).ravel()
+    yf = np.asarray(y, np.float32).ravel()
+    assert np.all(np.isfinite(yf))
+    if xf.size == 0:
+        return
+    amax = np.abs(xf).max()
+    # No codec produces values beyond the block's absolute maximum (plus the 16-bit
+    # rounding of the output dtype).
+    slack = 1.01 if (dtype != "float32" or name.startswith("cast")) else 1.0 + 1e-6
+    if name.startswith("qsgd"):
+        bound = np.linalg.norm(xf) * slack  # QSGD's scale is the block norm
+    else:
+        bound = amax * slack
+    assert np.abs(yf).max() <= bound + 1e-30
+    if name == "identity":
+        np.testing.assert_array_equal(yf, xf)
+    if name.endswith("nearest"):
+        bits = BLOCK_CODECS[name].num_bits
+        assert np.abs(yf - xf).max() <= amax / (2 ** (bits - 1) - 1) * 0.5 * slack + amax * 1e-2 * (dtype != "float32") + 1e-30
