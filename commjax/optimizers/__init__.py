@@ -1,0 +1,10 @@
+"""Complete communication-efficient optimizers (optax ``GradientTransformation`` factories).
+
+Each optimizer here runs its own compressed exchange inside ``jax.shard_map``/``jax.pmap``
+and returns updates identical on every replica.
+"""
+
+# Other optimizers add their imports and names below.
+from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ratios
+
+__all__ = ["DGCState", "dgc", "dgc_communication_plan", "dgc_ratios"]
