@@ -1,0 +1,525 @@
+"""What the examples share: building the optimizer from the command line, the
+data-parallel train step, checkpoints, the progress bar, the summary table and the plot.
+
+The data-parallel pattern (the part worth reading)::
+
+    mesh = cj_compat.make_mesh((n,), ("data",))          # one replica per device
+    opt_state = cj.shard_state(tx.init(params), mesh, "data")
+    specs = cj.state_specs(opt_state, "data")          # P("data") per-replica, P() else
+
+    def step(params, opt_state, batch):                # runs once per replica
+        grads = jax.grad(loss_fn)(cj.vary(params, "data"), batch)   # this replica's own
+        updates, opt_state = tx.update(grads, opt_state, params)   # compressed mean
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(jax.shard_map(step, mesh=mesh,
+                                 in_specs=(P(), specs, P("data")),  # params replicated,
+                                 out_specs=(P(), specs)))           # batch split
+
+``cj.vary`` matters: under ``shard_map(check_vma=True)`` JAX would otherwise sum the
+gradient of the replicated parameters over the devices itself, before compression.
+Each step's result is waited for before the next starts (CPU collectives can deadlock
+when several multi-device steps are in flight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import commjax as cj
+from commjax import _compat
+from commjax.metrics import step_metrics
+
+AXIS = "data"
+
+# Compressors and optimizers that other parts of commjax may or may not provide yet.
+_OPTIONAL = {
+    "top_k": "cj.top_k (sparsification: values + indices)",
+    "random_k": "cj.random_k (sparsification with a shared random mask)",
+    "powersgd": "cj.powersgd (low-rank factors)",
+    "onebit_adam": "cj.onebit_adam (1-bit Adam)",
+    "onebit_lamb": "cj.onebit_lamb (1-bit LAMB)",
+    "dgc": "cj.dgc (deep gradient compression)",
+    "diloco": "cj.diloco (local steps with a compressed outer step)",
+}
+
+
+class MissingFeature(SystemExit):
+    """A compressor or optimizer this commjax version does not provide."""
+
+
+def lookup(name: str) -> Callable[..., Any]:
+    """``cj.<name>``, or a clear error if this commjax version has no such factory."""
+    fn = getattr(cj, name, None)
+    if fn is None:
+        raise MissingFeature(
+            f"error: {_OPTIONAL.get(name, 'cj.' + name)} is not available in this commjax "
+            f"version ({cj.__version__}); choose another --compressor/--optimizer."
+        )
+    return fn
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def data_mesh(num_devices: Optional[int] = None) -> jax.sharding.Mesh:
+    """A 1-D ``("data",)`` mesh over the first ``num_devices`` local devices (all by default)."""
+    devices = jax.devices()
+    n = len(devices) if num_devices is None else num_devices
+    if n > len(devices):
+        raise SystemExit(
+            f"error: --devices {n} asked for more devices than JAX sees ({len(devices)} "
+            f"{devices[0].platform} devices)."
+        )
+    return _compat.make_mesh((n,), (AXIS,), devices=devices[:n])
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def make_compressor(args: Any) -> cj.Compressor:
+    """The compressor chosen by ``--compressor`` and its options."""
+    name = args.compressor
+    if name == "identity":
+        return cj.identity()
+    if name == "cast":
+        return cj.cast(jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float16)
+    if name == "quantize":
+        return cj.quantize(bits=args.bits, block_size=args.block_size)
+    if name == "qsgd":
+        return cj.qsgd(levels=args.levels, block_size=args.block_size)
+    if name == "terngrad":
+        return cj.terngrad(block_size=args.block_size)
+    if name == "sign":
+        return cj.sign(block_size=args.block_size)
+    if name in ("top_k", "random_k"):
+        return lookup(name)(ratio=args.ratio)
+    if name == "powersgd":
+        return lookup(name)(rank=args.rank)
+    raise SystemExit(f"error: unknown --compressor {name!r}")
+
+
+def compressor_label(args: Any) -> str:
+    name = args.compressor
+    opts = {
+        "cast": f"({args.dtype})", "quantize": f"({args.bits}-bit)", "qsgd": f"({args.levels} levels)",
+        "top_k": f"({args.ratio:g})", "random_k": f"({args.ratio:g})", "powersgd": f"(rank {args.rank})",
+    }.get(name, "")
+    ef = "" if name == "identity" or not args.no_error_feedback else ", no EF"
+    return f"{name}{opts}{ef}"
+
+
+@dataclasses.dataclass
+class Setup:
+    """The optimizer of a run and how to account for its bytes."""
+
+    tx: optax.GradientTransformation
+    label: str
+    plan: Optional[cj.CommunicationPlan]  # for compressed_mean; None for other optimizers
+    per_replica_params: bool = False  # params differ between replicas between syncs (diloco)
+
+
+def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float] = None) -> Setup:
+    """``--optimizer`` (and, for plain optimizers, ``--compressor``) as an optax transform."""
+    lr = args.lr if lr is None else lr
+    opt = args.optimizer
+    if opt in ("adam", "adamw", "sgd", "momentum"):
+        comp = make_compressor(args)
+        ef = not args.no_error_feedback
+        exchange = cj.compressed_mean(comp, AXIS, error_feedback=ef, reducer=args.reducer)
+        base = {
+            "adam": lambda: optax.adam(lr),
+            "adamw": lambda: optax.adamw(lr, weight_decay=1e-4),
+            "sgd": lambda: optax.sgd(lr),
+            "momentum": lambda: optax.sgd(lr, momentum=0.9),
+        }[opt]()
+        plan = cj.communication_plan(comp, params, num_replicas, reducer=args.reducer)
+        return Setup(optax.chain(exchange, base), f"{compressor_label(args)} + {opt}", plan)
+    if opt in ("onebit_adam", "onebit_lamb"):
+        tx = lookup(opt)(learning_rate=lr, axis_name=AXIS)
+        return Setup(tx, opt, None)
+    if opt == "dgc":
+        tx = lookup(opt)(learning_rate=lr, ratio=args.ratio, axis_name=AXIS)
+        return Setup(tx, f"dgc({args.ratio:g})", None)
+    if opt == "diloco":
+        fn = lookup(opt)
+        comp = make_compressor(args)
+        tx = fn(optax.adam(lr), sync_every=args.sync_every, compressor=comp, axis_name=AXIS)
+        return Setup(tx, f"diloco(H={args.sync_every}, {compressor_label(args)})", None,
+                     per_replica_params=True)
+    raise SystemExit(f"error: unknown --optimizer {opt!r}")
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def local_values(x: jax.Array) -> np.ndarray:
+    """The values of a ``P("data")`` array held by this process' devices, in order
+    (all of them on one process; no collective)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+def _replicated(mesh):
+    return NamedSharding(mesh, P())
+
+
+class DataParallel:
+    """Data-parallel training of a parameter pytree with an optax transform.
+
+    ``loss_fn(params, batch) -> scalar`` is this replica's loss on its share of the
+    batch. Every array of ``batch`` has the global batch on axis 0, split over the
+    replicas. Parameters are replicated (``P()``) unless ``per_replica_params``: then
+    they get a leading replica axis (``P("data")``), for optimizers whose replicas hold
+    different parameters between synchronisations.
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], params: Any,
+                 tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, *,
+                 per_replica_params: bool = False,
+                 place_batch: Optional[Callable[[Any], Any]] = None):
+        self.mesh = mesh
+        self.n = int(mesh.shape[AXIS])
+        self.tx = tx
+        self.per_replica_params = per_replica_params
+        self._loss_fn = loss_fn
+        self._place_batch = place_batch
+        opt_state = tx.init(params)
+        # Zero-size per-replica leaves (no residual without error feedback, no server
+        # residual outside the two-phase reducer) come back from shard_map replicated
+        # whatever out_specs say; placing them so from the start keeps the compiled step's
+        # input and output layouts equal (no recompilation on the second step).
+        self.opt_state = jax.tree_util.tree_map(
+            lambda a: jax.device_put(a, _replicated(mesh)) if a.size == 0 else a,
+            cj.shard_state(opt_state, mesh, AXIS))
+        self._specs = cj.state_specs(self.opt_state, AXIS)
+        if per_replica_params:
+            stacked = jax.tree_util.tree_map(lambda p: jnp.stack([p] * self.n), params)
+            self.params = jax.device_put(stacked, NamedSharding(mesh, P(AXIS)))
+            pspec = P(AXIS)
+        else:
+            self.params = jax.device_put(params, _replicated(mesh))
+            pspec = P()
+        self.step_count = 0
+        self._compiled = None
+        self._pspec = pspec
+
+        def local_step(params, opt_state, batch):
+            if per_replica_params:
+                params = jax.tree_util.tree_map(lambda a: a[0], params)
+            loss, grads = jax.value_and_grad(loss_fn)(cj.vary(params, AXIS), batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            if per_replica_params:
+                params = jax.tree_util.tree_map(lambda a: a[None], params)
+            return params, opt_state, loss[None]
+
+        self._step = jax.jit(_compat.shard_map(
+            local_step, mesh=mesh, in_specs=(pspec, self._specs, P(AXIS)),
+            out_specs=(pspec, self._specs, P(AXIS)),
+        ))
+
+    def shard_batch(self, batch: Any) -> Any:
+        """The global batch as arrays split over the replicas (``place_batch`` if given,
+        e.g. ``jax.make_array_from_process_local_data`` with several processes)."""
+        if self._place_batch is not None:
+            return self._place_batch(batch)
+        return jax.device_put(batch, NamedSharding(self.mesh, P(AXIS)))
+
+    def compile(self, batch: Any):
+        """Compile the step for batches shaped like ``batch`` (ahead of time)."""
+        if self._compiled is None:
+            self._compiled = self._step.lower(self.params, self.opt_state, self.shard_batch(batch)).compile()
+        return self._compiled
+
+    def hlo_bytes(self, batch: Any) -> float:
+        """Per-device bytes one step sends, read from the compiled HLO (static count)."""
+        return cj.collective_bytes(self.compile(batch)).total_ring_bytes
+
+    def step(self, batch: Any) -> np.ndarray:
+        """One step; returns every replica's loss (host array)."""
+        fn = self.compile(batch)
+        self.params, self.opt_state, losses = fn(self.params, self.opt_state, self.shard_batch(batch))
+        # One multi-device step in flight at a time (the CPU runtime can deadlock).
+        jax.block_until_ready(losses)
+        self.step_count += 1
+        return local_values(losses)
+
+    def eval_params(self) -> Any:
+        """Replica 0's parameters (all replicas hold the same ones when in sync)."""
+        if self.per_replica_params:
+            return jax.tree_util.tree_map(lambda a: a[0], self.params)
+        return self.params
+
+    def replicas_in_sync(self) -> bool:
+        """Whether every device holds bit-identical parameters (reads each device's copy)."""
+        for leaf in jax.tree_util.tree_leaves(self.params):
+            # Each device's own copy (per-replica params: each device's own row).
+            shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+            if any(not np.array_equal(shards[0], s) for s in shards[1:]):
+                return False
+        return True
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def checkpoint_tree(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state,
+                "step": np.asarray(self.step_count, np.int64)}
+
+    def save(self, ckpt: Any, metadata: Optional[dict] = None) -> None:
+        ckpt.save(self.step_count, self.checkpoint_tree(), metadata=metadata)
+
+    def restore(self, ckpt: Any) -> int:
+        tree = ckpt.restore(self.checkpoint_tree())
+        self.params, self.opt_state = tree["params"], tree["opt_state"]
+        self.step_count = int(tree["step"])
+        return self.step_count
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def human_bytes(b: float) -> str:
+    if b is None or (isinstance(b, float) and math.isnan(b)):
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(b) < 1000 or unit == "TB":
+            return f"{b:,.0f} {unit}" if unit == "B" else f"{b:,.1f} {unit}"
+        b /= 1000.0
+    return f"{b:.1f}"
+
+
+class Progress:
+    """A tqdm bar showing the loss and the bytes sent so far (log lines without tqdm)."""
+
+    def __init__(self, total: int, *, initial: int = 0, desc: str = "train", enabled: bool = True,
+                 position: Optional[int] = None, silent: bool = False):
+        self.total, self.n = total, initial
+        self.desc = desc
+        self.silent = silent
+        enabled = enabled and not silent
+        self._bar = None
+        self._last_log = time.time()
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # pragma: no cover - tqdm is an examples extra
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
+                                 leave=True, position=position, file=sys.stderr)
+
+    def update(self, loss: float, bytes_sent: float) -> None:
+        self.n += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"loss={loss:.4f} sent={human_bytes(bytes_sent)}", refresh=False)
+            self._bar.update(1)
+        elif not self.silent and (self.n == self.total or time.time() - self._last_log > 5):
+            self._last_log = time.time()
+            print(f"{self.desc}: step {self.n}/{self.total} loss={loss:.4f} "
+                  f"sent={human_bytes(bytes_sent)}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """Fixed-width text table; ``columns`` are ``(key, header)`` pairs, values preformatted."""
+    headers = [h for _, h in columns]
+    body = [[str(r.get(k, "")) for k, _ in columns] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(headers, *body)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in body]
+    return "\n".join(out)
+
+
+def plot_curves(curves: dict, path: str, *, title: str, ylabel: str = "loss",
+                eval_curves: Optional[dict] = None) -> str:
+    """Write loss curves (``label -> (steps, values)``) to a PNG; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for i, (label, (xs, ys)) in enumerate(curves.items()):
+        ys = np.asarray(ys, dtype=np.float64)
+        k = max(1, len(ys) // 50)
+        smooth = np.convolve(ys, np.ones(k) / k, mode="valid") if len(ys) >= k else ys
+        xs = np.asarray(xs)[k - 1:] if len(ys) >= k else np.asarray(xs)
+        ax.plot(xs, smooth, color=f"C{i}", label=label, lw=1.4)
+        if eval_curves and label in eval_curves:
+            ex, ey = eval_curves[label]
+            ax.plot(ex, ey, color=f"C{i}", ls="--", marker="o", ms=3, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_json(path: str, obj: Any) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def default(o):
+        if isinstance(o, (np.floating, np.integer)):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        raise TypeError(type(o).__name__)
+
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, default=default, allow_nan=True)
+    return path
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    steps: list
+    losses: list
+    eval_steps: list
+    eval_values: list
+    bytes_per_step: float  # analytic (plan) when known, else measured from HLO
+    hlo_bytes_per_step: float
+    baseline_bytes: float
+    seconds: float
+    compile_seconds: float
+    in_sync: bool
+    metrics: dict
+
+    @property
+    def final_loss(self) -> float:
+        """Training loss averaged over the last 10% of the steps (at least one)."""
+        if not self.losses:
+            return float("nan")
+        k = max(1, len(self.losses) // 10)
+        return float(np.mean(self.losses[-k:]))
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.baseline_bytes / self.bytes_per_step if self.bytes_per_step else float("inf")
+
+    def record(self) -> dict:
+        return {
+            "label": self.label, "final_loss": self.final_loss,
+            "final_eval": self.eval_values[-1] if self.eval_values else None,
+            "bytes_per_step": self.bytes_per_step, "hlo_bytes_per_step": self.hlo_bytes_per_step,
+            "baseline_bytes_per_step": self.baseline_bytes, "compression_ratio": self.compression_ratio,
+            "seconds": self.seconds, "compile_seconds": self.compile_seconds,
+            "replicas_in_sync": self.in_sync, "metrics": self.metrics,
+            "steps": self.steps, "losses": self.losses,
+            "eval_steps": self.eval_steps, "eval_values": self.eval_values,
+        }
+
+
+def run(trainer: DataParallel, setup: Setup, batch_fn: Callable[[int], Any], steps: int, *,
+        eval_fn: Optional[Callable[[Any], float]] = None, eval_every: Optional[int] = None,
+        progress: bool = True, ckpt: Any = None, checkpoint_every: Optional[int] = None,
+        resume: bool = False, desc: str = "train", position: Optional[int] = None,
+        metadata: Optional[dict] = None, verbose: bool = True) -> RunResult:
+    """Train for ``steps`` steps in total; ``batch_fn(step)`` gives the global batch of a
+    step (a pure function of the step, so a resumed run sees the same data)."""
+    start = 0
+    if resume and ckpt is not None and ckpt.latest_step() is not None:
+        start = trainer.restore(ckpt)
+        if verbose:
+            print(f"resumed from step {start} ({ckpt.directory})", flush=True)
+    t0 = time.time()
+    first = batch_fn(start)
+    trainer.compile(first)
+    hlo = trainer.hlo_bytes(first)
+    compile_s = time.time() - t0
+    plan = setup.plan
+    bytes_per_step = plan.bytes_per_step if plan is not None else hlo
+    n_float = sum(int(np.prod(np.shape(x))) for x in jax.tree_util.tree_leaves(trainer.eval_params())
+                  if jnp.issubdtype(jnp.result_type(x), jnp.floating))
+    baseline = cj.exact_mean_bytes(n_float, trainer.n)
+    eval_every = eval_every or max(1, steps // 10)
+    result = RunResult(setup.label, [], [], [], [], bytes_per_step, hlo, baseline, 0.0, compile_s, True, {})
+    bar = Progress(steps, initial=start, desc=desc, enabled=progress, position=position,
+                   silent=not verbose)
+    t1 = time.time()
+    try:
+        for t in range(start, steps):
+            losses = trainer.step(batch_fn(t) if t != start else first)
+            loss = float(np.mean(losses))
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{setup.label}: loss became {loss} at step {t + 1}")
+            result.steps.append(t + 1)
+            result.losses.append(loss)
+            bar.update(loss, (t + 1) * bytes_per_step)
+            if eval_fn is not None and ((t + 1) % eval_every == 0 or t + 1 == steps):
+                result.eval_steps.append(t + 1)
+                result.eval_values.append(float(eval_fn(trainer.eval_params())))
+            if ckpt is not None and checkpoint_every and (t + 1) % checkpoint_every == 0 and t + 1 < steps:
+                trainer.save(ckpt, metadata)
+    finally:
+        bar.close()
+    result.seconds = time.time() - t1
+    if ckpt is not None:
+        trainer.save(ckpt, metadata)
+    result.in_sync = trainer.replicas_in_sync()
+    try:
+        result.metrics = step_metrics(trainer.opt_state, plan)
+    except ValueError:
+        result.metrics = {}
+    return result
+
+
+def summarize(results: Sequence[RunResult], *, eval_name: Optional[str] = None,
+              reference: Optional[RunResult] = None) -> str:
+    """The summary table printed at the end of every example."""
+    rows = []
+    ref = reference.final_loss if reference is not None and reference.losses else None
+    for r in results:
+        final = r.final_loss
+        row = {
+            "label": r.label,
+            "loss": f"{final:.4f}",
+            "bytes": human_bytes(r.bytes_per_step),
+            "hlo": human_bytes(r.hlo_bytes_per_step),
+            "ratio": f"{r.compression_ratio:.2f}x",
+            "time": f"{r.seconds:.1f}s",
+            "sync": "yes" if r.in_sync else "NO",
+        }
+        if ref is not None:
+            row["gap"] = f"{100.0 * (final - ref) / abs(ref):+.2f}%"
+        if eval_name and r.eval_values:
+            row["eval"] = f"{r.eval_values[-1]:.4f}"
+        if "residual_norm" in r.metrics:
+            row["res"] = f"{r.metrics['residual_norm']:.3g}"
+        rows.append(row)
+    cols = [("label", "run"), ("loss", "final loss*")]
+    if ref is not None:
+        cols.append(("gap", "gap to exact"))
+    if eval_name:
+        cols.append(("eval", eval_name))
+    cols += [("bytes", "bytes/step/device"), ("hlo", "HLO bytes/step"), ("ratio", "compression"),
+             ("res", "residual norm"), ("time", "train time"), ("sync", "replicas in sync")]
+    return table(rows, cols) + "\n* training loss averaged over the last 10% of the steps"
