@@ -17,17 +17,20 @@ per step (analytic, from ``cj.communication_plan``, and from the compiled HLO, f
 ``cj.collective_bytes``; ring convention), the loss after the steps, the speedup over the
 exact fp32 mean, and the *ideal* speedup implied by the bytes:
 
+    t_compute(method)     = t_unshaped(method) - bytes(method) * 8 / G
     ideal_time(method, R) = t_compute(method) + bytes(method) * 8 / R
     ideal_speedup         = ideal_time(exact, R) / ideal_time(method, R)
     efficiency            = measured speedup / ideal speedup
 
-where ``t_compute`` is the method's median step time on the *unshaped* links (the
-veths then move several Gbit/s, so this slightly overstates compute for the methods that
-send most). Results go to ``benchmarks/results/bandwidth.json`` and ``bandwidth.png``.
+where ``t_unshaped`` is the method's median step time on the unshaped links and ``G``
+the TCP goodput measured on them (one stream, host 0 to host 1): the veths then move a
+few Gbit/s, which is not free next to the compute. Results go to
+``benchmarks/results/bandwidth.json`` and ``bandwidth.png``.
 
-Model: an MLP ``d_in -> hidden x depth -> classes`` (GELU) with a small batch per
-process, so that at 1 Gbit/s the exchange of its ~13.6M fp32 gradients dominates the
-step; every process gets its own shifted input distribution (non-i.i.d.). The inputs,
+Model: an MLP ``d_in -> hidden (depth layers) -> classes`` (GELU; 13.7M parameters by
+default) with a small batch per process, so that at 1 Gbit/s the exchange of its fp32
+gradients dominates the step; every process gets its own shifted input distribution
+(non-i.i.d.). The inputs,
 labels and initial parameters come from NumPy with fixed seeds, so the JAX and PyTorch
 runs start from the same numbers.
 
@@ -75,7 +78,7 @@ RESULT_PREFIX = "RESULT "
 PHASE_PREFIX = "PHASE "
 
 #: The model and run configuration (identical for the JAX and the PyTorch workers).
-MODEL = dict(d_in=512, hidden=2048, depth=3, classes=10, batch=16, shift=2.0, seed=0)
+MODEL = dict(d_in=512, hidden=2048, depth=4, classes=10, batch=16, shift=2.0, seed=0)
 #: Optimizer after the exchange (JAX: optax.sgd, PyTorch: torch.optim.SGD).
 SGD = dict(learning_rate=0.01, momentum=0.9)
 #: Untimed steps before the first measurement (1-bit Adam's exact warm-up, the DDP
@@ -480,21 +483,26 @@ def _loadavg() -> list[float]:
         return []
 
 
-def summarize(rows: list[dict], rates: list[str]) -> None:
-    """Add medians, speedups over the exact mean and ideal speedups to the rows in place."""
+def summarize(rows: list[dict], rates: list[str], unshaped_goodput: Optional[float]) -> None:
+    """Add medians, compute-time estimates, speedups over the exact mean and ideal
+    speedups to the rows in place (see the module docstring for the formulas)."""
     exact = {"commjax": "exact", "torch": "ddp_allreduce"}
     by_name = {(r["framework"], r["method"]): r for r in rows if r.get("available")}
     for r in rows:
         if not r.get("available"):
             continue
         r["median_s"] = {k: statistics.median(v) for k, v in r["times"].items()}
+        t_none = r["median_s"].get("none")
+        if t_none is not None:
+            local = r["plan_bytes"] * 8 / unshaped_goodput if unshaped_goodput else 0.0
+            r["compute_s"] = max(t_none - local, 0.0)
     for r in rows:
         if not r.get("available"):
             continue
         base = by_name.get((r["framework"], exact[r["framework"]]))
         # Both frameworks are compared with commjax's exact mean as well.
         cj_base = by_name.get(("commjax", "exact"))
-        t_comp = r["median_s"].get("none")
+        t_comp = r.get("compute_s")
         r["per_rate"] = {}
         for rate in rates:
             t = r["median_s"].get(rate)
@@ -507,9 +515,9 @@ def summarize(rows: list[dict], rates: list[str]) -> None:
             if cj_base is not None and rate in cj_base["median_s"]:
                 entry["speedup_vs_commjax_exact"] = cj_base["median_s"][rate] / t
             if bps is not None and t_comp is not None and base is not None \
-                    and base["median_s"].get("none") is not None:
+                    and base.get("compute_s") is not None:
                 ideal_m = t_comp + r["plan_bytes"] * 8 / bps
-                ideal_b = base["median_s"]["none"] + base["plan_bytes"] * 8 / bps
+                ideal_b = base["compute_s"] + base["plan_bytes"] * 8 / bps
                 entry["ideal_s"] = ideal_m
                 entry["ideal_speedup"] = ideal_b / ideal_m
                 if "speedup" in entry:
@@ -688,13 +696,14 @@ def orchestrate(args: argparse.Namespace) -> int:
                 for i, t in enumerate(res.tails):
                     print(f"--- torch process {i} (last lines) ---\n" + "\n".join(t[-15:]))
     wall = time.monotonic() - t_start
-    summarize(rows, rates)
+    summarize(rows, rates, goodput.get("none"))
     targets = check_targets(rows)
     print()
     print(table(rows, rates))
     print()
-    print(f"x = speedup over the same framework's exact mean; ideal x from bytes: "
-          f"t_unshaped + bytes*8/rate. {netem_msg}.")
+    print("x = speedup over the same framework's exact mean; ideal x from bytes: "
+          "t_compute + bytes*8/rate, t_compute = t_unshaped - bytes*8/goodput_unshaped "
+          f"({goodput.get('none', 0) / 1e9:.2f} Gbit/s). {netem_msg}.")
     for t in targets:
         verdict = "n/a" if t["met"] is None else ("MET" if t["met"] else "NOT MET")
         val = "-" if t["value"] is None else f"{t['value']:.2f}"

@@ -34,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bandwidth as bw  # noqa: E402
 
 MIN_COMPRESSION_RATE = 2.0
+#: DDP's default bucket size (MB); PowerSGD runs use one bucket holding every gradient.
+DEFAULT_BUCKET_MB = 25
+SINGLE_BUCKET_MB = 4096
 
 
 def analytic_bytes(method: str, shapes: list[tuple[int, ...]], n: int) -> float:
@@ -94,10 +97,16 @@ def main() -> None:
     for method in args.methods.split(","):
         model = make_model()
         shapes = [tuple(p.shape) for p in model.parameters()]
-        ddp = DDP(model, gradient_as_bucket_view=True)
+        powersgd = method in ("ddp_powersgd_r1", "ddp_powersgd_r4")
+        # One bucket for PowerSGD: with several buckets the hook issues the P and Q
+        # all-reduces of different buckets from future callbacks, in an order that can
+        # differ between processes, which gloo reports as a collective size mismatch
+        # ("op.preamble.length <= op.nbytes") and aborts (seen with torch 2.13).
+        ddp = DDP(model, gradient_as_bucket_view=True,
+                  bucket_cap_mb=SINGLE_BUCKET_MB if powersgd else DEFAULT_BUCKET_MB)
         if method == "ddp_fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif method in ("ddp_powersgd_r1", "ddp_powersgd_r4"):
+        elif powersgd:
             state = psgd.PowerSGDState(
                 process_group=None, matrix_approximation_rank=1 if method.endswith("r1") else 4,
                 start_powerSGD_iter=bw.PRELUDE_STEPS - 1, min_compression_rate=MIN_COMPRESSION_RATE,
@@ -125,7 +134,8 @@ def main() -> None:
             "plan_bytes": analytic_bytes(method, shapes, world), "hlo_bytes": None,
             "loss": float(loss.item() / world), "times": times,
             "steps": bw.PRELUDE_STEPS + len(times) * (args.steps + 1),
-            "note": f"torch {torch.__version__}, gloo, bucket_cap_mb=25 (default)",
+            "note": (f"torch {torch.__version__}, gloo, bucket_cap_mb="
+                     f"{SINGLE_BUCKET_MB if powersgd else DEFAULT_BUCKET_MB}"),
         }
         if rank == 0:
             bw.emit(row)
