@@ -1,0 +1,297 @@
+"""DiLoCo: local inner steps, then an outer step on the averaged pseudo-gradient.
+
+Every replica trains on its own for ``H = sync_every`` steps of an inner optimizer,
+without communicating; then the replicas average how far they moved (the
+*pseudo-gradient*), an outer optimizer moves the shared parameters, and every replica
+restarts from them. With ``theta`` the shared parameters of the round (the *anchor*) and
+``theta_i`` replica ``i``'s parameters after its ``H`` inner steps::
+
+    delta = (1/N) sum_i (theta - theta_i)          # one mean per round (optionally compressed)
+    theta <- theta + outer_update(delta)           # e.g. Nesterov SGD, lr 0.7, momentum 0.9
+    theta_i <- theta                               # on every replica
+
+Communication: nothing on inner steps; one mean of a parameter-sized vector on every
+``H``-th step (an fp32 all-reduce, ``2 (N-1)/N * 4 n`` bytes per device, or the bytes of the
+chosen compressor through :func:`commjax.compressed_mean`). The whole round is one
+compiled step function: the exchange sits in one branch of a ``lax.cond`` that only the
+sync steps take.
+
+Reference: Douillard et al., 2023, "DiLoCo: Distributed Low-Communication Training of
+Language Models" (arXiv:2311.08105).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from commjax import _compat
+from commjax.compressors.base import Compressor
+from commjax.layout import per_replica, per_replica_mask
+from commjax.transform import AxisNotBoundError, compressed_mean
+
+__all__ = ["DiLoCoState", "diloco", "landing_update"]
+
+
+@per_replica("inner_state")
+class DiLoCoState(NamedTuple):
+    """State of :func:`diloco`.
+
+    Attributes:
+      count: int32 scalar, replicated: inner steps taken.
+      anchor: pytree like the parameters, replicated: the shared parameters of the
+        current round (what every replica restarted from at the last sync).
+      outer_state: the outer optimizer's state, replicated.
+      inner_state: the inner optimizer's state, **per replica**, every leaf with a
+        leading axis of length 1 (local shape ``[1, *shape]``; global ``[N, *shape]``
+        under ``shard_map`` with ``P(axis_name)``), whatever the leaf's own shape (the
+        inner optimizer's step counters are scalars).
+      exchange: the :class:`commjax.CompressedMeanState` of the pseudo-gradient exchange
+        when a ``compressor`` is given (its residuals are per replica), else ``()``.
+
+    Parameters are per replica in DiLoCo (they differ between syncs), so the training
+    loop keeps them with a leading replica axis and ``P(axis_name)`` specs, as
+    :func:`commjax.testing.train` does; lay the state out with
+    :func:`commjax.shard_state` and :func:`commjax.state_specs`.
+    """
+
+    count: jax.Array
+    anchor: Any
+    outer_state: Any
+    inner_state: Any
+    exchange: Any
+
+
+def landing_update(params: Any, target: Any) -> Any:
+    """Updates ``u`` such that ``optax.apply_updates(params, u)`` lands on ``target``.
+
+    ``u = target - params`` rounds, so ``params + u`` may miss ``target`` by a unit in the
+    last place; one correction ``u + (target - (params + u))`` is kept where it lands
+    closer. The result is exact (``params + u == target``) whenever ``target - params``
+    is representable (for instance when ``target / 2 <= params <= 2 target``, Sterbenz)
+    and, more generally, whenever some float ``u`` lands there. When none does (an entry
+    that moved by much more than its own magnitude, e.g. across zero), the miss is at
+    most ``2^-24 (|target - params| + |target|)`` in float32 (half an ulp of each).
+    """
+
+    def one(p, n):
+        u = n - p
+        r = p + u
+        u2 = u + (n - r)
+        r2 = p + u2
+        better = jnp.abs(r2 - n) < jnp.abs(r - n)
+        return jnp.where(better, u2, u)
+
+    return jax.tree_util.tree_map(one, params, target)
+
+
+def _check_vary(params: Any, axis_name: Any) -> None:
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    tracked = _compat.varying_axes(lax.axis_index(names[0]))
+    if not tracked:
+        return  # check_vma=False or pmap: nothing is tracked
+    for leaf in jax.tree_util.tree_leaves(params):
+        vma = _compat.varying_axes(leaf)
+        if vma is not None and not all(n in vma for n in names):
+            raise ValueError(
+                f"diloco: the parameters (a leaf of shape {jnp.shape(leaf)}) are replicated over "
+                f"{axis_name!r}, but DiLoCo replicas hold different parameters between syncs. "
+                "Keep the parameters per replica (a leading replica axis with "
+                f"P({axis_name!r}) in the shard_map specs, as commjax.testing.train does)."
+            )
+
+
+def _vary_marked(tree: Any, axis_name: Any) -> Any:
+    """Mark the per-replica leaves of ``tree`` as varying over the axis (cond outputs of
+    both branches must agree on it under ``check_vma=True``)."""
+    if axis_name is None:
+        return tree
+    mask = per_replica_mask(tree)
+    return jax.tree_util.tree_map(lambda x, m: _compat.vary(x, axis_name) if m else x, tree, mask)
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    axis_name: Any = "data",
+    compressor: Optional[Compressor] = None,
+    error_feedback: bool = True,
+    num_replicas: Optional[int] = None,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """DiLoCo as one optax transformation: ``sync_every - 1`` local steps, then a sync.
+
+    ``update(grads, state, params)`` takes this replica's own gradient and parameters
+    (inside ``shard_map``/``pmap`` over ``axis_name``). Step ``t`` (0-based, ``H =
+    sync_every``, ``theta`` the anchor in the state, ``p`` the replica's parameters)::
+
+        u_in = inner.update(g_i, p);  p' = p + u_in
+        if (t + 1) % H != 0:  return u_in                               # no communication
+        delta = mean_i(theta - p'_i)           # fp32 all-reduce, or compressed_mean(...)
+        theta <- theta + outer.update(delta, theta)
+        return landing_update(p, theta)        # p + u == theta (see below)
+
+    The returned update at a sync step is computed as ``theta - p`` (with one rounding
+    correction, :func:`landing_update`), not as the outer step plus the local drift, so
+    that after applying it every replica holds ``theta``: bit-identical wherever
+    ``theta - p`` is exactly representable, which covers every entry that did not move
+    by much more than its own magnitude in the round; elsewhere a replica may miss
+    ``theta`` by at most ``2^-24 (|theta - p| + |theta|)`` (float32). This never
+    accumulates: the anchor ``theta`` is kept exactly in the (replicated) state and the
+    next round's pseudo-gradient is measured from it.
+
+    The inner optimizer keeps its own state per replica across rounds (it is not reset
+    at a sync); the outer optimizer's state is replicated.
+
+    Non-finite values: a NaN/Inf inner update on a replica (between syncs nobody else can
+    know) returns NaN on that replica and keeps that replica's inner state. At a sync a
+    non-finite pseudo-gradient mean (any replica) makes the update NaN on every replica
+    and keeps the anchor, the outer state and the exchange residuals; the step counter
+    always advances, so all replicas stay on the same sync schedule.
+
+    Bytes per device: 0 on inner steps; on sync steps ``2 (N-1)/N * 4 n`` (exact fp32
+    mean of the ``n`` parameters) or, with ``compressor``, the bytes of
+    ``cj.compressed_mean(compressor)`` for parameter-shaped inputs
+    (:func:`commjax.communication_plan`), i.e. ``H`` times less per step on average.
+
+    Args:
+      inner: the local optimizer (e.g. ``optax.adamw(1e-3)``); must not communicate.
+      outer: the outer optimizer applied to the averaged pseudo-gradient (e.g.
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; ``optax.sgd(1.0)`` is plain
+        parameter averaging).
+      sync_every: inner steps per round, an integer ``>= 1``.
+      axis_name: mesh axis (or tuple) of the replicas; ``None`` for one replica.
+      compressor: ``None`` for the exact fp32 mean, or a commjax compressor (e.g.
+        ``cj.quantize(bits=4)``) for :func:`commjax.compressed_mean` on the pseudo-gradient.
+      error_feedback: error feedback of the compressed exchange (default True).
+      num_replicas: replicas the compressed exchange's state is sized for when ``init``
+        runs outside ``shard_map`` (see :func:`commjax.compressed_mean`).
+      seed: seed of the compressed exchange's stochastic rounding.
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`DiLoCoState`.
+
+    Raises:
+      ValueError: bad options (named in the message); ``params`` missing or replicated
+        (invariant) at ``update``.
+      AxisNotBoundError: ``update`` called where ``axis_name`` is not bound.
+    """
+    for name, tx in (("inner", inner), ("outer", outer)):
+        if not isinstance(tx, optax.GradientTransformation) and not (
+            hasattr(tx, "init") and hasattr(tx, "update")
+        ):
+            raise TypeError(f"diloco: `{name}` must be an optax.GradientTransformation, got {tx!r}.")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or sync_every < 1:
+        raise ValueError(f"diloco: `sync_every` must be an integer >= 1, got {sync_every!r}.")
+    sync_every = int(sync_every)
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"diloco: `compressor` must be None (exact mean) or a commjax compressor such as "
+            f"cj.quantize(bits=4), got {compressor!r}."
+        )
+    axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
+    exchange_tx = None
+    if compressor is not None:
+        exchange_tx = compressed_mean(
+            compressor, axis_name, error_feedback=error_feedback, num_replicas=num_replicas,
+            seed=seed,
+        )
+
+    def init_fn(params):
+        inner_state = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], inner.init(params))
+        return DiLoCoState(
+            count=jnp.zeros((), jnp.int32),
+            anchor=jax.tree_util.tree_map(jnp.asarray, params),
+            outer_state=outer.init(params),
+            inner_state=inner_state,
+            exchange=() if exchange_tx is None else exchange_tx.init(params),
+        )
+
+    def exact_mean(deltas):
+        leaves, treedef = jax.tree_util.tree_flatten(deltas)
+        flat = [jnp.ravel(l).astype(jnp.float32) for l in leaves]
+        n_rep = _compat.axis_size(axis_name)
+        if not flat or n_rep == 1:
+            return deltas
+        bucket = _compat.psum(jnp.concatenate(flat), axis_name) / n_rep
+        out, pos = [], 0
+        for l in leaves:
+            size = int(np.prod(l.shape)) if l.ndim else 1
+            out.append(bucket[pos:pos + size].reshape(l.shape).astype(l.dtype))
+            pos += size
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("diloco: update() needs this replica's `params` (update(grads, state, params)).")
+        if axis_name is not None:
+            if not _compat.axis_is_bound(axis_name):
+                raise AxisNotBoundError(
+                    f"diloco: mesh axis {axis_name!r} is not bound here. DiLoCo averages the "
+                    "replicas' pseudo-gradients, so its update must run inside jax.shard_map "
+                    "(or jax.pmap) over that axis, with per-replica parameters (P("
+                    f"{axis_name!r})) and the state laid out by cj.shard_state / cj.state_specs; "
+                    "or pass axis_name=None for one replica."
+                )
+            _check_vary(params, axis_name)
+
+        inner_state = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
+        u_in, new_inner = inner.update(updates, inner_state, params)
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree_util.tree_leaves(u_in)]
+                               or [jnp.asarray(True)]))
+        new_inner = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_inner, inner_state)
+        local = optax.apply_updates(params, u_in)
+
+        def no_sync(ops):
+            anchor, outer_state, exchange = ops
+            step = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), u_in, params)
+            return step, anchor, outer_state, _vary_marked(exchange, axis_name)
+
+        def sync(ops):
+            anchor, outer_state, exchange = ops
+            deltas = jax.tree_util.tree_map(
+                lambda a, q: a.astype(jnp.float32) - q.astype(jnp.float32), anchor, local)
+            if axis_name is None:
+                mean = deltas
+                new_exchange = exchange
+                if exchange_tx is not None:
+                    mean, new_exchange = exchange_tx.update(deltas, exchange)
+            elif exchange_tx is None:
+                mean, new_exchange = exact_mean(deltas), exchange
+            else:
+                mean, new_exchange = exchange_tx.update(deltas, exchange)
+            bad = jnp.logical_not(jnp.all(jnp.stack(
+                [jnp.all(jnp.isfinite(m)) for m in jax.tree_util.tree_leaves(mean)] or [jnp.asarray(True)])))
+            mean = jax.tree_util.tree_map(lambda m, a: m.astype(a.dtype), mean, anchor)
+            u_out, new_outer = outer.update(mean, outer_state, anchor)
+            new_anchor = optax.apply_updates(anchor, u_out)
+            # One materialised value of the new anchor for the state and for the landing
+            # step: XLA may otherwise recompute it inside several fusions, with and
+            # without fused multiply-adds, and the copies can differ in the last bit.
+            new_anchor = lax.optimization_barrier(new_anchor)
+            step = landing_update(params, new_anchor)
+            step = jax.tree_util.tree_map(lambda s: jnp.where(bad, jnp.nan, s).astype(s.dtype), step)
+            keep = lambda old, new: jax.tree_util.tree_map(lambda o, n: jnp.where(bad, o, n), old, new)
+            return (step, keep(anchor, new_anchor), keep(outer_state, new_outer),
+                    _vary_marked(keep(exchange, new_exchange), axis_name))
+
+        ops = (state.anchor, state.outer_state, state.exchange)
+        if sync_every == 1:
+            out, anchor, outer_state, exchange = sync(ops)
+        else:
+            is_sync = (state.count + 1) % sync_every == 0
+            out, anchor, outer_state, exchange = lax.cond(is_sync, sync, no_sync, ops)
+        new_state = DiLoCoState(
+            count=state.count + 1, anchor=anchor, outer_state=outer_state,
+            inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner), exchange=exchange,
+        )
+        return out, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
