@@ -138,7 +138,8 @@ def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float]
     if opt in ("adam", "adamw", "sgd", "momentum"):
         comp = make_compressor(args)
         ef = not args.no_error_feedback
-        exchange = cj.compressed_mean(comp, AXIS, error_feedback=ef, reducer=args.reducer)
+        exchange = cj.compressed_mean(comp, AXIS, error_feedback=ef, reducer=args.reducer,
+                                      num_replicas=num_replicas)
         base = {
             "adam": lambda: optax.adam(lr),
             "adamw": lambda: optax.adamw(lr, weight_decay=1e-4),
