@@ -233,6 +233,8 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
             if cfg.error_feedback:
                 lo, hi = seg.offset, seg.offset + seg.size
+                # Compilers may fuse decode's last multiply into this subtraction (FMA):
+                # then e' is x - C(x) rounded once instead of twice (<= 1 ulp apart).
                 e = (x[lo:hi] - res.local[lo:hi]).astype(cfg.residual_dtype)
                 e = jnp.where(global_bad[k], state.residual[lo:hi], e)
                 res_parts.append(jnp.pad(e, (0, seg.padded_size - seg.size)))
@@ -285,6 +287,12 @@ def compressed_mean(
     With ``error_feedback=False``, ``x_i = g_i`` and ``e`` is not kept. With the two-phase
     reducer the owner of each chunk keeps a second, server-side residual for its
     re-encoding of the chunk's mean (``server_error_feedback``).
+
+    Non-finite gradients: put ``optax.apply_if_finite`` *after* this transform
+    (``optax.chain(cj.compressed_mean(...), optax.apply_if_finite(opt, k))``). It then
+    tests the shared mean, which is NaN on every replica when any replica had a NaN, so
+    all replicas skip the step together. Wrapped *around* this transform it would test
+    each replica's own gradient, and replicas would disagree on whether to communicate.
 
     Bytes per step and device: see :func:`commjax.communication_plan` (and
     :mod:`commjax.reducers` for the formulas).
