@@ -32,6 +32,29 @@ STEPS = 3
 LEARNING_RATE = 0.1
 
 
+#: Compressors added by other parts of the project: ``cj.<name>`` once exported, else the
+#: submodule that defines them (so they are tested as soon as they exist).
+_OPTIONAL = {
+    "top_k": ("commjax.compressors.sparse", lambda f: f(ratio=0.05)),
+    "random_k": ("commjax.compressors.sparse", lambda f: f(ratio=0.05)),
+    "powersgd": ("commjax.compressors.powersgd", lambda f: f(rank=2)),
+}
+
+
+def _optional(name: str):
+    import importlib
+
+    import commjax as cj
+
+    if hasattr(cj, name):
+        return getattr(cj, name)
+    module, _ = _OPTIONAL[name]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def compressors() -> dict[str, Callable[[], Any]]:
     """Name -> factory of every compressor this commjax provides (checked at run time:
     some are added by other parts of the project)."""
@@ -47,12 +70,10 @@ def compressors() -> dict[str, Callable[[], Any]]:
         "terngrad": lambda: cj.terngrad(),
         "sign": lambda: cj.sign(),
     }
-    if hasattr(cj, "top_k"):
-        out["top_k"] = lambda: cj.top_k(ratio=0.05)
-    if hasattr(cj, "random_k"):
-        out["random_k"] = lambda: cj.random_k(ratio=0.05)
-    if hasattr(cj, "powersgd"):
-        out["powersgd"] = lambda: cj.powersgd(rank=2)
+    for name, (_, make) in _OPTIONAL.items():
+        factory = _optional(name)
+        if factory is not None:
+            out[name] = (lambda f, m: lambda: m(f))(factory, make)
     return out
 
 
@@ -176,6 +197,9 @@ def run_one(ctx: Any, task: Any, factory: Callable[[], Any], steps: int) -> dict
         "reduce_scatter": bool(hlo.of_kind("reduce-scatter")),
         "plan_bytes": plan.bytes_per_step,
         "reducer": plan.reducer,
+        # Payloads that are summed (identity, random-k values, PowerSGD factors) travel
+        # as f32; all others as unsigned words.
+        "summed_payload": bool(comp.linear or comp.has_exchange),
     }
 
 
