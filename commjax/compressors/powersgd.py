@@ -121,32 +121,45 @@ def matrix_shape(shape: Sequence[int], matrix_dims: Any = None) -> tuple[int, in
 # ----------------------------------------------------------------------------- maths
 
 
+def _norm(v: jax.Array, axis: int) -> jax.Array:
+    """Euclidean norm along ``axis`` (kept), scaled by the largest entry first so that
+    neither tiny (squares underflow) nor huge (squares overflow) values go wrong."""
+    amax = jnp.max(jnp.abs(v), axis=axis, keepdims=True)
+    s = jnp.where(amax > 0, amax, 1.0)
+    return s * jnp.sqrt(jnp.sum(jnp.square(v / s), axis=axis, keepdims=True))
+
+
 def _col_norms(a: jax.Array) -> jax.Array:
     """Euclidean norms of the columns of ``[..., m, r]``: ``[..., r]``."""
-    return jnp.sqrt(jnp.sum(a * a, axis=-2))
+    return _norm(a, -2)[..., 0, :]
 
 
 def _gram_schmidt(a: jax.Array, epsilon: float) -> jax.Array:
     """Column-by-column Gram-Schmidt with re-orthogonalization, batched over ``[..., m, r]``.
 
-    Column ``i``: ``v = a_i - U U^T a_i`` over the columns ``U`` already done, twice (the
-    second pass restores the orthogonality that cancellation loses: "twice is enough"),
-    then ``u_i = v / ||v||`` if ``||v|| > epsilon ||a_i||`` and ``u_i = 0`` otherwise. A
-    column that cancels to (numerically) zero thus comes out exactly zero: never NaN or
-    Inf, whatever the input's scale. One loop body for all columns keeps compile time flat
-    in ``r``.
+    Column ``i``, with ``U`` the columns already done: ``v1 = a_i - U U^T a_i`` and
+    ``v2 = v1 - U U^T v1`` (the second pass restores the orthogonality that cancellation
+    loses: Kahan and Parlett's "twice is enough"). ``u_i = v2 / ||v2||``, unless the column
+    is numerically in the span of ``U``, and then ``u_i = 0`` exactly: when the second pass
+    still cancels (``||v2|| < ||v1|| / 2``) or when ``||v2|| <= epsilon ||a_i||``. So every
+    output column is unit-norm and orthogonal to the others to fp32 round-off, or zero:
+    never NaN or Inf, whatever the input's scale. One loop body for all columns keeps
+    compile time flat in ``r``.
     """
     r = a.shape[-1]
 
+    def project_out(u, v):  # columns >= i of u are still zero and drop out
+        c = jnp.einsum("...mk,...m->...k", u, v, precision=_HIGHEST)
+        return v - jnp.einsum("...mk,...k->...m", u, c, precision=_HIGHEST)
+
     def body(i, u):
         v = lax.dynamic_index_in_dim(a, i, axis=a.ndim - 1, keepdims=False)
-        n0 = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
-        for _ in range(2):  # columns >= i of u are still zero and drop out
-            c = jnp.einsum("...mk,...m->...k", u, v, precision=_HIGHEST)
-            v = v - jnp.einsum("...mk,...k->...m", u, c, precision=_HIGHEST)
-        nrm = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
-        keep = nrm > epsilon * n0
-        v = jnp.where(keep, v / jnp.where(keep, nrm, 1.0), 0.0)
+        n0 = _norm(v, -1)
+        v1 = project_out(u, v)
+        v2 = project_out(u, v1)
+        n1, n2 = _norm(v1, -1), _norm(v2, -1)
+        keep = (n2 > epsilon * n0) & (2.0 * n2 >= n1) & (n2 > 0)
+        v = jnp.where(keep, v2 / jnp.where(keep, n2, 1.0), 0.0)
         return lax.dynamic_update_index_in_dim(u, v, i, axis=a.ndim - 1)
 
     if r == 1:
@@ -159,8 +172,9 @@ def orthogonalize(
 ) -> jax.Array:
     """Orthonormal columns spanning the columns of ``matrices`` (``[..., m, r]``, ``r <= m``).
 
-    ``method="gram_schmidt"``: see :func:`_gram_schmidt`; columns that are linearly
-    dependent on earlier ones up to a relative ``epsilon`` come out as exact zeros.
+    ``method="gram_schmidt"``: see :func:`_gram_schmidt`; columns that are (numerically,
+    or up to a relative ``epsilon``) linearly dependent on earlier ones come out as exact
+    zeros, the others orthonormal.
     ``method="qr"``: the ``Q`` factor of ``jnp.linalg.qr`` (Householder): always
     orthonormal, columns of a rank-deficient input complete the basis arbitrarily.
     Either way ``U U^T A == A`` for the result ``U`` and input ``A``, in fp32.
@@ -359,6 +373,31 @@ class PowerSGD(Compressor):
             return jnp.linalg.qr(a, mode="reduced")[0]
         return _gram_schmidt(a, self.epsilon)
 
+    def _orth_all(self, mats: Sequence[jax.Array]) -> list[jax.Array]:
+        """Orthogonalize every group's ``[G, k, r]`` factors.
+
+        Gram-Schmidt runs once for all groups when zero-padding them to a common
+        ``[sum G, max k, max r]`` costs at most twice their size: zero rows change no
+        inner product and zero columns stay zero, so the result is the same, and one loop
+        compiles instead of one per group. (Householder QR is not padding-invariant for
+        rank-deficient inputs, so ``"qr"`` always runs per group.)"""
+        mats = list(mats)
+        if len(mats) == 1 or self.orthogonalization == "qr":
+            return [self._orth(a) for a in mats]
+        kmax = max(a.shape[1] for a in mats)
+        rmax = max(a.shape[2] for a in mats)
+        size = sum(a.size for a in mats)
+        if sum(a.shape[0] for a in mats) * kmax * rmax > 2 * size:
+            return [self._orth(a) for a in mats]
+        padded = jnp.concatenate(
+            [jnp.pad(a, ((0, 0), (0, kmax - a.shape[1]), (0, rmax - a.shape[2]))) for a in mats])
+        out = self._orth(padded)
+        res, pos = [], 0
+        for a in mats:
+            res.append(out[pos:pos + a.shape[0], :a.shape[1], :a.shape[2]])
+            pos += a.shape[0]
+        return res
+
     def _matrices(self, x: jax.Array, segments: Sequence[Segment], g: _Group) -> jax.Array:
         mats = [x[segments[i].offset:segments[i].offset + segments[i].size].reshape(g.m, g.n)
                 for i in g.members]
@@ -421,10 +460,11 @@ class PowerSGD(Compressor):
                     q = _reseed(state.q[gi], shared, 2 * gi, self.epsilon)
                 else:
                     q = _shared_uniform(shared, 2 * gi, (len(g.members), g.n, g.r))
-                qs.append(self._orth(q))
+                qs.append(q)
+            qs = self._orth_all(qs)
             ps = [jnp.einsum("gmn,gnr->gmr", m, q, precision=_HIGHEST) for m, q in zip(mats, qs)]
             ps = _fused_mean(ps, axis_name, n_rep)
-            ps = [self._orth(p) for p in ps]
+            ps = self._orth_all(ps)
             qs = [jnp.einsum("gmn,gmr->gnr", m, p, precision=_HIGHEST) for m, p in zip(mats, ps)]
             qs = _fused_mean(qs, axis_name, n_rep)
             approx = [jnp.einsum("gmr,gnr->gmn", p, q, precision=_HIGHEST) for p, q in zip(ps, qs)]
@@ -436,10 +476,8 @@ class PowerSGD(Compressor):
             ps = [jnp.einsum("gmn,gnr->gmr", m, q, precision=_HIGHEST) for m, q in zip(mats, state.q)]
             ps = _fused_mean(ps, axis_name, n_rep)
             approx = [jnp.einsum("gmr,gnr->gmn", p, q, precision=_HIGHEST) for p, q in zip(ps, state.q)]
-            new_p = tuple(
-                self._orth(_reseed(p, shared, 2 * gi + 1, self.epsilon))
-                for gi, p in enumerate(ps)
-            )
+            new_p = tuple(self._orth_all(
+                [_reseed(p, shared, 2 * gi + 1, self.epsilon) for gi, p in enumerate(ps)]))
             return finish(approx, PowerSGDState(q=state.q, p=new_p))
 
         def q_step(_):
@@ -447,10 +485,8 @@ class PowerSGD(Compressor):
             qs = [jnp.einsum("gmn,gmr->gnr", m, p, precision=_HIGHEST) for m, p in zip(mats, state.p)]
             qs = _fused_mean(qs, axis_name, n_rep)
             approx = [jnp.einsum("gmr,gnr->gmn", p, q, precision=_HIGHEST) for p, q in zip(state.p, qs)]
-            new_q = tuple(
-                self._orth(_reseed(q, shared, 2 * gi, self.epsilon))
-                for gi, q in enumerate(qs)
-            )
+            new_q = tuple(self._orth_all(
+                [_reseed(q, shared, 2 * gi, self.epsilon) for gi, q in enumerate(qs)]))
             return finish(approx, PowerSGDState(q=new_q, p=state.p))
 
         count = jnp.asarray(count, jnp.int32)
