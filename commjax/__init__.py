@@ -18,7 +18,14 @@ from commjax.compressors import (
     sign,
     terngrad,
 )
-from commjax.layout import pmap_state, per_replica_mask, shard_state, state_specs, unshard_state
+from commjax.layout import (
+    init_sharded,
+    per_replica_mask,
+    pmap_state,
+    shard_state,
+    state_specs,
+    unshard_state,
+)
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.reducers import REDUCERS
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
@@ -31,4 +38,5 @@ __all__ = [
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
+    "init_sharded",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "shard_state",
     "pmap_state",
     "unshard_state",
+    "init_sharded",
 ]
 
 _PER_REPLICA_FIELDS: dict[type, frozenset[str]] = {}
@@ -141,3 +142,21 @@ def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
     they are identical on every replica."""
     n = jax.local_device_count() if num_devices is None else num_devices
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), state)
+
+
+def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
+    """``tx.init(params)`` run inside ``shard_map`` over ``axis_name``, laid out as
+    :func:`shard_state` lays it out.
+
+    Inside ``shard_map`` the axis is bound, so state whose size depends on the number of
+    replicas (the two-phase reducer's server residual) is sized for this mesh without a
+    ``num_replicas`` argument. ``params`` are replicated.
+    """
+    from commjax import _compat
+
+    structure = jax.eval_shape(tx.init, params)
+    specs = state_specs(structure, axis_name)
+    fn = _compat.shard_map(
+        tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs, check_vma=False
+    )
+    return jax.jit(fn)(params)

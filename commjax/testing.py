@@ -185,3 +185,51 @@ def train(
         replica_params=params,
         opt_state=opt_state,
     )
+
+
+def update_collectives(
+    tx: optax.GradientTransformation,
+    params: Any,
+    num_replicas: int,
+    *,
+    axis_name: str = "data",
+    devices: Optional[list] = None,
+):
+    """Compile (never run) one ``tx.update`` on per-replica gradients shaped like ``params``
+    over ``num_replicas`` devices and return its :class:`commjax.CollectiveReport`.
+
+    Gradients and state are abstract (``jax.ShapeDtypeStruct``), so a model of millions of
+    parameters costs only its compile time.
+    """
+    from commjax.accounting import collective_bytes
+
+    devices = devices if devices is not None else jax.devices()[:num_replicas]
+    mesh = _compat.make_mesh((num_replicas,), (axis_name,), devices=devices)
+    from commjax.layout import init_sharded
+
+    state = jax.eval_shape(lambda p: init_sharded(tx, p, mesh, axis_name), params)
+    specs = state_specs(state, axis_name)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    g_state = jax.tree_util.tree_map(
+        lambda spec, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                sharding=NamedSharding(mesh, spec)),
+        specs, state, is_leaf=is_spec,
+    )
+    grads = jax.tree_util.tree_map(
+        lambda p: jax.ShapeDtypeStruct((num_replicas,) + tuple(p.shape), p.dtype,
+                                       sharding=NamedSharding(mesh, P(axis_name))), params)
+
+    def step(g, s):
+        g = jax.tree_util.tree_map(lambda a: a[0], g)
+        u, s = tx.update(g, s, g)
+        return jax.tree_util.tree_map(lambda a: a[None], u), s
+
+    fn = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(axis_name), specs),
+                                   out_specs=(P(axis_name), specs), check_vma=False))
+    return collective_bytes(fn, grads, g_state)
+
+
+def mlp_4m_params() -> dict:
+    """A 4.2M-parameter MLP's parameter shapes (4 layers of 1024x1024 + biases)."""
+    return {f"layer{i}": {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+                          "b": jax.ShapeDtypeStruct((1024,), jnp.float32)} for i in range(4)}

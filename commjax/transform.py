@@ -162,7 +162,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             "compressed_mean: the state was initialised for a different number of replicas "
             f"(server residual of {state.server_residual.shape[0]} elements, {n_rep} replicas "
             f"need {plan.server_residual_size}). Pass num_replicas={n_rep} to compressed_mean, "
-            "or create the state inside shard_map with cj.init_sharded."
+            "or create the state with cj.init_sharded(tx, params, mesh, axis_name)."
         )
 
     step_key = jax.random.fold_in(state.key, state.count)

@@ -1,0 +1,79 @@
+"""Bytes on the wire, measured from the compiled HLO, against the analytic counts."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import commjax as cj
+from commjax.testing import mlp_4m_params, update_collectives
+
+PARAMS = mlp_4m_params()
+
+# compressor, minimum ratio against the exact fp32 mean (per device, 8 replicas)
+TARGETS = {
+    "cast": (cj.cast(), 1.9),
+    "q8": (cj.quantize(8), 3.5),
+    "q4": (cj.quantize(4), 6.5),
+    "q2": (cj.quantize(2), 12.0),
+    "terngrad": (cj.terngrad(), 12.0),
+    "sign": (cj.sign(), 20.0),
+    "qsgd": (cj.qsgd(), 4.0),
+}
+
+
+@pytest.fixture(scope="module")
+def exact_bytes():
+    rep = update_collectives(cj.compressed_mean(cj.identity(), "data"), PARAMS, 8)
+    plan = cj.communication_plan(cj.identity(), PARAMS, 8)
+    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=0, abs=0.5)
+    # The exact mean is one fp32 all-reduce of every parameter (plus the NaN flags).
+    n = sum(int(jnp.size(jnp.zeros(p.shape))) for p in jax.tree_util.tree_leaves(PARAMS))
+    assert rep.total_ring_bytes == pytest.approx(cj.exact_mean_bytes(n, 8), rel=1e-3)
+    return rep.total_ring_bytes
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_hlo_bytes_equal_analytic_and_meet_ratio(name, exact_bytes):
+    comp, target = TARGETS[name]
+    rep = update_collectives(cj.compressed_mean(comp, "data"), PARAMS, 8)
+    plan = cj.communication_plan(comp, PARAMS, 8)
+    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=0, abs=0.5), rep.table()
+    ratio = exact_bytes / rep.total_ring_bytes
+    assert ratio >= target, f"{name}: {ratio:.2f}x < {target}x"
+    # Compressed payloads travel as unsigned words; only the small exact bucket is fp32.
+    assert "u32" in rep.dtypes
+    f32 = sum(c.operand_bytes for c in rep.collectives if "f32" in c.dtypes)
+    assert f32 < 0.05 * sum(c.operand_bytes for c in rep.collectives)
+    # No integer payload is ever summed (psum on small integers wraps around).
+    for c in rep.of_kind("all-reduce"):
+        assert all(d.startswith("f") for d in c.dtypes), c
+
+
+def _bytes(comp, reducer, n_rep):
+    rep = update_collectives(cj.compressed_mean(comp, "data", reducer=reducer), PARAMS, n_rep)
+    plan = cj.communication_plan(comp, PARAMS, n_rep, reducer=reducer)
+    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=0, abs=0.5)
+    return rep.total_ring_bytes
+
+
+def test_two_phase_bytes_flat_in_replicas_allgather_grows():
+    comp = cj.quantize(4)
+    tp2, tp8 = _bytes(comp, "two_phase", 2), _bytes(comp, "two_phase", 8)
+    ag2, ag8 = _bytes(comp, "allgather", 2), _bytes(comp, "allgather", 8)
+    assert tp8 / tp2 <= 2.0  # only the ring factor 2(N-1)/N grows
+    assert ag8 / ag2 >= 6.0  # (N-1) * payload
+    assert tp8 < ag8
+
+
+def test_auto_picks_the_cheapest_valid_reducer():
+    for comp, _ in TARGETS.values():
+        for n in (2, 4, 8):
+            plan = cj.communication_plan(comp, PARAMS, n)
+            for r in ("allreduce", "allgather", "two_phase"):
+                try:
+                    other = cj.communication_plan(comp, PARAMS, n, reducer=r)
+                except ValueError:
+                    continue
+                assert plan.bytes_per_step <= other.bytes_per_step + 1e-6
+    assert cj.communication_plan(cj.identity(), PARAMS, 8).reducer == "allreduce"
+    assert cj.communication_plan(cj.quantize(4), PARAMS, 8).reducer == "two_phase"
