@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                            {"example": "01_digits_cnn", "replicas": n, "args": vars(args),
                             "runs": [r.record() for r in results]})
     print(f"\nwrote {png} and {js}")
-    return 0 if all(r.in_sync for r in results) else 1
+    return 0 if all(r.in_sync is not False for r in results) else 1
 
 
 if __name__ == "__main__":

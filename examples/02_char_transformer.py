@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                            {"example": "02_char_transformer", "replicas": n, "args": vars(args),
                             "runs": [result.record()]})
     print(f"\nwrote {png} and {js}")
-    return 0 if result.in_sync else 1
+    return 0 if result.in_sync is not False else 1
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                            {"example": "03_linen_mlp", "replicas": n, "args": vars(args),
                             "runs": [result.record()]})
     print(f"\nwrote {png} and {js}")
-    return 0 if result.in_sync else 1
+    return 0 if result.in_sync is not False else 1
 
 
 if __name__ == "__main__":

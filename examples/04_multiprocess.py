@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     for leaf in jax.tree_util.tree_leaves(trainer.eval_params()):
         h.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
     print(f"process {pid}: final parameters sha256 {h.hexdigest()[:16]} "
-          f"(replicas on this process in sync: {'yes' if result.in_sync else 'NO'})", flush=True)
+          f"(replicas on this process in sync: {result.in_sync})", flush=True)
     if main_process:
         print()
         print(_train.summarize([result], eval_name="held-out loss"))
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                                {"example": "04_multiprocess", "processes": nproc, "replicas": n,
                                 "args": vars(args), "runs": [result.record()]})
         print(f"\nwrote {png} and {js}")
-    return 0 if result.in_sync else 1
+    return 0 if result.in_sync is not False else 1
 
 
 if __name__ == "__main__":

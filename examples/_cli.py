@@ -85,6 +85,8 @@ def add_compression_args(p: argparse.ArgumentParser, *, compressor: str = "quant
                         "identity is the exact fp32 mean")
     g.add_argument("--bits", type=int, choices=(2, 4, 8), default=4,
                    help="quantize: bits per element (default 4)")
+    g.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
+                   help="quantize: stochastic (unbiased, default) or nearest rounding")
     g.add_argument("--block-size", type=positive_int, default=256,
                    help="quantize/qsgd/terngrad/sign: elements per fp32 scale (default 256)")
     g.add_argument("--levels", type=positive_int, default=16, help="qsgd: levels per sign (default 16)")
@@ -103,6 +105,9 @@ def add_compression_args(p: argparse.ArgumentParser, *, compressor: str = "quant
                         "with their own compressed exchange (the compressor flags are then ignored)")
     g.add_argument("--sync-every", type=positive_int, default=8,
                    help="diloco: inner steps between outer synchronisations (default 8)")
+    g.add_argument("--warmup-steps", type=nonneg_int, default=None,
+                   help="onebit_adam/onebit_lamb: exact-Adam warm-up steps (default: a fifth of "
+                        "--steps); dgc: density warm-up steps (default 0)")
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
