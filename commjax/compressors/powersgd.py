@@ -356,17 +356,7 @@ class PowerSGD(Compressor):
         every replica (orthonormalized too, and ``P = 0``, with ``alternating``)."""
         if not self.warm_start:
             return PowerSGDState(q=(), p=())
-        key = _seeded(key, self.seed)
-        qs, ps = [], []
-        for gi, g in enumerate(self._groups(segments)):
-            q = _shared_uniform(key, 2 * gi, (len(g.members), g.n, g.r))
-            if self.alternating:
-                q = self._orth(q)
-                ps.append(jnp.zeros((len(g.members), g.m, g.r), jnp.float32))
-            qs.append(q)
-        return PowerSGDState(q=tuple(qs), p=tuple(ps))
-
-    # -------------------------------------------------------------- exchange
+        return _initial_state(self, tuple(segments), key)
 
     def _orth(self, a: jax.Array) -> jax.Array:
         if self.orthogonalization == "qr":
@@ -500,6 +490,22 @@ class PowerSGD(Compressor):
             return lax.cond(phase == 0, p_step, q_step, None)
         index = jnp.where(count < start, 0, 1 + phase)
         return lax.switch(index, (warmup, p_step, q_step), None)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _initial_state(c: PowerSGD, segments: tuple[Segment, ...], key: jax.Array) -> PowerSGDState:
+    """Compiled once per configuration: eager, the hash and Gram-Schmidt ops would each
+    compile on their own."""
+    key = _seeded(key, c.seed)
+    qs, ps = [], []
+    for gi, g in enumerate(c._groups(segments)):
+        q = _shared_uniform(key, 2 * gi, (len(g.members), g.n, g.r))
+        if c.alternating:
+            ps.append(jnp.zeros((len(g.members), g.m, g.r), jnp.float32))
+        qs.append(q)
+    if c.alternating:
+        qs = c._orth_all(qs)
+    return PowerSGDState(q=tuple(qs), p=tuple(ps))
 
 
 @functools.lru_cache(maxsize=256)
