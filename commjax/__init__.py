@@ -27,14 +27,14 @@ from commjax.layout import (
     unshard_state,
 )
 from commjax.plan import CommunicationPlan, communication_plan
-from commjax.reducers import REDUCERS
+from commjax.reducers import REDUCERS, valid_reducers as reducers_for
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
-    "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS",
+    "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
