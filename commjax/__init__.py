@@ -13,10 +13,14 @@ from commjax.compressors import (
     Compressor,
     cast,
     identity,
+    powersgd,
     qsgd,
     quantize,
+    random_k,
     sign,
     terngrad,
+    threshold,
+    top_k,
 )
 from commjax.layout import (
     init_sharded,
@@ -26,6 +30,7 @@ from commjax.layout import (
     state_specs,
     unshard_state,
 )
+from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.reducers import REDUCERS, valid_reducers as reducers_for
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
@@ -34,6 +39,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
+    "top_k", "random_k", "threshold", "powersgd",
+    "dgc", "onebit_adam", "onebit_lamb", "diloco",
     "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",

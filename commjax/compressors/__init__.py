@@ -3,10 +3,14 @@
 from commjax.compressors.base import BlockCompressor, Compressor, Segment
 from commjax.compressors.exact import Cast, Identity, cast, identity
 from commjax.compressors.quantize import QSGD, Quantize, TernGrad, qsgd, quantize, terngrad
+from commjax.compressors.powersgd import PowerSGD, PowerSGDState, powersgd
 from commjax.compressors.sign import Sign, sign
+from commjax.compressors.sparse import RandomK, Threshold, TopK, random_k, threshold, top_k
 
 __all__ = [
     "Compressor", "BlockCompressor", "Segment",
-    "Identity", "Cast", "Quantize", "QSGD", "TernGrad", "Sign",
-    "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
+    "Identity", "Cast", "Quantize", "QSGD", "TernGrad", "Sign", "TopK", "RandomK", "Threshold",
+    "PowerSGD", "PowerSGDState",
+    "identity", "cast", "quantize", "qsgd", "terngrad", "sign", "top_k", "random_k", "threshold",
+    "powersgd",
 ]

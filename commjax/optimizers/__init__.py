@@ -6,5 +6,11 @@ and returns updates identical on every replica.
 
 # Other optimizers add their imports and names below.
 from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ratios
+from commjax.optimizers.diloco import DiLoCoState, diloco, landing_update
+from commjax.optimizers.onebit import onebit_adam, onebit_lamb
 
-__all__ = ["DGCState", "dgc", "dgc_communication_plan", "dgc_ratios"]
+__all__ = [
+    "DGCState", "dgc", "dgc_communication_plan", "dgc_ratios",
+    "DiLoCoState", "diloco", "landing_update",
+    "onebit_adam", "onebit_lamb",
+]
