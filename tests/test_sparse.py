@@ -115,6 +115,21 @@ def test_topk_selects_exactly_the_k_largest_magnitudes_ties_to_lower_index():
     assert np.flatnonzero(np.asarray(top_k(0.1).roundtrip(jnp.asarray([0.1] * 9 + [-5.0])))).tolist() == [9]
 
 
+def test_approximate_top_k_keeps_k_large_entries():
+    segs, n = _segments([3000, 500])
+    x = jax.random.normal(jax.random.PRNGKey(3), (n,))
+    c = top_k(0.02, approximate=True, recall_target=0.9)
+    y = np.asarray(_roundtrip(c, x, None, segs))
+    xn = np.asarray(x)
+    for s, k in zip(segs, (60, 10)):
+        part = y[s.offset:s.offset + s.size]
+        sent = np.flatnonzero(part) + s.offset
+        assert len(sent) == k  # exactly k per leaf, values exact
+        np.testing.assert_array_equal(y[sent], xn[sent])
+        true = set(_expected_topk(xn[s.offset:s.offset + s.size], k) + s.offset)
+        assert len(true & set(sent)) >= 0.9 * k
+
+
 def test_leaf_smaller_than_one_over_ratio_still_sends_one_entry():
     segs, n = _segments([3, 5000, 7])
     x = jax.random.normal(jax.random.PRNGKey(1), (n,))
