@@ -196,13 +196,17 @@ def _lookup(name: str, modules: tuple[str, ...]) -> Any:
 @dataclasses.dataclass
 class JaxMethod:
     tx: Any  # the optax transformation that runs
-    plan_bytes: float  # analytic per-device bytes of one timed step
+    plan_bytes: float  # analytic per-device bytes of one timed step (average)
     bytes_tx: Any = None  # a variant compiled only to read the timed stage's HLO bytes
     note: str = ""
+    per_replica_params: bool = False  # parameters differ between replicas (DiLoCo)
+    sync_every: int = 1  # HLO bytes are those of one sync step; divided by this per step
 
 
-def jax_method(name: str, params: Any, n: int) -> JaxMethod:
+def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
+    import jax
     import jax.numpy as jnp
+    import numpy as np
     import optax
 
     import commjax as cj
@@ -241,9 +245,16 @@ def jax_method(name: str, params: Any, n: int) -> JaxMethod:
         )
     if name == "diloco":
         diloco = _lookup("diloco", ("commjax.optimizers.diloco", "commjax.optimizers"))
-        raise Unavailable(
-            f"cj.diloco exists ({getattr(diloco, '__module__', '?')}) but this benchmark does "
-            "not know its calling convention yet: add it to bandwidth.jax_method")
+        # One sync per timed window: any `steps` consecutive steps hold exactly one sync.
+        h = steps
+        n_params = sum(int(np.prod(np.shape(l))) for l in jax.tree_util.tree_leaves(params))
+        return JaxMethod(
+            diloco(sgd, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=h,
+                   axis_name=AXIS),
+            cj.exact_mean_bytes(n_params, n) / h, per_replica_params=True, sync_every=h,
+            note=(f"sync every {h} steps (inner: the same SGD; outer: Nesterov SGD 0.7/0.9); "
+                  "step time = mean over a window holding one sync; bytes averaged per step"),
+        )
     raise ValueError(f"unknown JAX method {name!r}; known: {', '.join(JAX_METHODS)}")
 
 
@@ -300,39 +311,57 @@ def jax_worker(args: argparse.Namespace) -> None:
 
     eval_loss = jax.jit(_compat.shard_map(mean_loss, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                           out_specs=P()))
+    eval_loss_per_replica = jax.jit(_compat.shard_map(
+        lambda p, xb, yb: mean_loss(jax.tree_util.tree_map(lambda a: a[0], p), xb, yb),
+        mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
 
-    def build(tx, state):
+    def build(tx, state, per_replica_params):
         specs = cj.state_specs(state, AXIS)
+        pspec = P(AXIS) if per_replica_params else P()
 
         def local(p, s, xb, yb):
+            if per_replica_params:  # [1, ...] local rows: this replica's own parameters
+                p = jax.tree_util.tree_map(lambda a: a[0], p)
             g = jax.grad(loss_fn)(cj.vary(p, AXIS), xb, yb)
             u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
+            p = optax.apply_updates(p, u)
+            if per_replica_params:
+                p = jax.tree_util.tree_map(lambda a: a[None], p)
+            return p, s
 
-        out_sh = (replicated, jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs))
-        return jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                                         out_specs=(P(), specs)),
+        out_sh = (NamedSharding(mesh, pspec),
+                  jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs))
+        return jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(pspec, specs, P(AXIS), P(AXIS)),
+                                         out_specs=(pspec, specs)),
                        out_shardings=out_sh, donate_argnums=(0, 1))
+
+    def place_params(per_replica_params):
+        if per_replica_params:
+            return jax.tree_util.tree_map(
+                lambda a: jax.make_array_from_process_local_data(data_sharding, a[None]),
+                host_params)
+        return jax.device_put(host_params, replicated)
 
     for name in args.methods.split(","):
         row: dict[str, Any] = {"framework": "commjax", "method": name, "processes": world,
                                "devices": n, "params": num_params(cfg)}
         try:
-            m = jax_method(name, host_params, n)
+            m = jax_method(name, host_params, n, args.steps)
         except Unavailable as e:
             row.update(available=False, reason=str(e))
             if rank == 0:
                 emit(row)
             continue
-        params = jax.device_put(host_params, replicated)
+        params = place_params(m.per_replica_params)
         state = cj.shard_state(m.tx.init(host_params), mesh, AXIS)
         t0 = time.perf_counter()
-        step_fn = build(m.tx, state).lower(params, state, x, y).compile()
+        step_fn = build(m.tx, state, m.per_replica_params).lower(params, state, x, y).compile()
         compile_s = time.perf_counter() - t0
         hlo = cj.collective_bytes(step_fn)
         if m.bytes_tx is not None:  # e.g. 1-bit Adam: only the compressed stage's bytes
             s2 = cj.shard_state(m.bytes_tx.init(host_params), mesh, AXIS)
-            hlo = cj.collective_bytes(build(m.bytes_tx, s2).lower(params, s2, x, y).compile())
+            hlo = cj.collective_bytes(
+                build(m.bytes_tx, s2, m.per_replica_params).lower(params, s2, x, y).compile())
             del s2
         box = {"p": params, "s": state}
 
@@ -341,10 +370,11 @@ def jax_worker(args: argparse.Namespace) -> None:
             jax.block_until_ready(box["p"])  # one multi-device step in flight at a time
 
         times = timed_phases(rank, name, args.rates.split(","), args.steps, step)
-        loss = float(eval_loss(box["p"], x, y))
+        loss = float((eval_loss_per_replica if m.per_replica_params else eval_loss)(box["p"], x, y))
         row.update(
             available=True, note=m.note, compile_s=compile_s, plan_bytes=m.plan_bytes,
-            hlo_bytes=hlo.total_ring_bytes, hlo_collectives=len(hlo), hlo_dtypes=sorted(hlo.dtypes),
+            hlo_bytes=hlo.total_ring_bytes / m.sync_every, hlo_collectives=len(hlo),
+            hlo_dtypes=sorted(hlo.dtypes), statistic="mean" if m.sync_every > 1 else "median",
             loss=loss, steps=PRELUDE_STEPS + len(times) * (args.steps + 1), times=times,
         )
         if rank == 0:
@@ -436,6 +466,14 @@ def run_job(net: netns.Network, argv_for: Callable[[int], list[str]],
     return JobResult(rows, [p.returncode for p in procs], tails, timed_out)
 
 
+#: glibc malloc settings for every worker (JAX and PyTorch alike): keep freed memory in
+#: the heap instead of returning it to the kernel, so that the step's large buffers are
+#: reused rather than page-faulted in afresh every step (on the VM this was written on a
+#: first touch of 55 MB cost ~0.3 s, which would otherwise be charged to "compute").
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+              "MALLOC_TOP_PAD_": str(1 << 30)}
+
+
 def _jax_env(i: int, n: int, coordinator: str, interface: str) -> dict:
     from commjax.launch import child_env
 
@@ -445,6 +483,7 @@ def _jax_env(i: int, n: int, coordinator: str, interface: str) -> dict:
     env["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false "
                         "intra_op_parallelism_threads=1").strip()
     env["OMP_NUM_THREADS"] = "1"
+    env.update(MALLOC_ENV)
     return env
 
 
@@ -491,8 +530,11 @@ def summarize(rows: list[dict], rates: list[str], unshaped_goodput: Optional[flo
     for r in rows:
         if not r.get("available"):
             continue
-        r["median_s"] = {k: statistics.median(v) for k, v in r["times"].items()}
-        t_none = r["median_s"].get("none")
+        # Median step time; the mean over the window for methods whose steps differ by
+        # design (DiLoCo: inner steps and one sync step per window).
+        stat = statistics.mean if r.get("statistic") == "mean" else statistics.median
+        r["step_s"] = {k: stat(v) for k, v in r["times"].items()}
+        t_none = r["step_s"].get("none")
         if t_none is not None:
             local = r["plan_bytes"] * 8 / unshaped_goodput if unshaped_goodput else 0.0
             r["compute_s"] = max(t_none - local, 0.0)
@@ -505,15 +547,15 @@ def summarize(rows: list[dict], rates: list[str], unshaped_goodput: Optional[flo
         t_comp = r.get("compute_s")
         r["per_rate"] = {}
         for rate in rates:
-            t = r["median_s"].get(rate)
+            t = r["step_s"].get(rate)
             if t is None:
                 continue
-            entry: dict[str, Any] = {"median_s": t}
+            entry: dict[str, Any] = {"step_s": t}
             bps = netns.parse_rate(rate)
-            if base is not None and rate in base["median_s"]:
-                entry["speedup"] = base["median_s"][rate] / t
-            if cj_base is not None and rate in cj_base["median_s"]:
-                entry["speedup_vs_commjax_exact"] = cj_base["median_s"][rate] / t
+            if base is not None and rate in base["step_s"]:
+                entry["speedup"] = base["step_s"][rate] / t
+            if cj_base is not None and rate in cj_base["step_s"]:
+                entry["speedup_vs_commjax_exact"] = cj_base["step_s"][rate] / t
             if bps is not None and t_comp is not None and base is not None \
                     and base.get("compute_s") is not None:
                 ideal_m = t_comp + r["plan_bytes"] * 8 / bps
@@ -542,8 +584,8 @@ def check_targets(rows: list[dict]) -> list[dict]:
                                    f"{TARGETS['min_efficiency']:.0%} of its ideal speedup @ {rate}",
                             value=e["efficiency"], met=e["efficiency"] >= TARGETS["min_efficiency"]))
     a, b = TARGETS["powersgd_pair"]
-    ta = by.get(a, {}).get("median_s", {}).get(rate)
-    tb = by.get(b, {}).get("median_s", {}).get(rate)
+    ta = by.get(a, {}).get("step_s", {}).get(rate)
+    tb = by.get(b, {}).get("step_s", {}).get(rate)
     out.append(dict(target=f"commjax {a} step <= torch DDP {b} step @ {rate}",
                     value=None if ta is None or tb is None else ta / tb,
                     met=None if ta is None or tb is None else ta <= tb))
@@ -565,7 +607,7 @@ def table(rows: list[dict], rates: list[str]) -> str:
         for rate in rates:
             e = r.get("per_rate", {}).get(rate, {})
             fmt = lambda k, f: "-" if k not in e else f.format(e[k])  # noqa: E731
-            line += [fmt("median_s", "{:.3f}"), fmt("speedup", "{:.2f}"),
+            line += [fmt("step_s", "{:.3f}"), fmt("speedup", "{:.2f}"),
                      fmt("ideal_speedup", "{:.2f}"), fmt("efficiency", "{:.0%}")]
         lines.append(line)
     full = [l for l in lines if len(l) == len(head)]
@@ -593,7 +635,7 @@ def plot(rows: list[dict], rates: list[str], path: Path, title: str) -> None:
     for r in rows:
         if not r.get("available"):
             continue
-        ys = [r["median_s"].get(rate) for rate in shaped]
+        ys = [r["step_s"].get(rate) for rate in shaped]
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
         if not pts:
             continue
@@ -681,7 +723,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 env = dict(os.environ)
                 env.update(MASTER_ADDR=net.addresses[0], MASTER_PORT=str(port), RANK=str(i),
                            WORLD_SIZE=str(net.n), GLOO_SOCKET_IFNAME=net.interface,
-                           OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                           OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **MALLOC_ENV)
                 env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO),
                                                      env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
                 return env
@@ -719,6 +761,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             "note": args.note or "",
             "processes": args.processes, "devices_per_process": 1,
             "shaping": "tc tbf on every veth, both directions (host eth0 and bridge port egress)",
+            "worker_env": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
+                           "intra_op_parallelism_threads=1", "OMP_NUM_THREADS": "1",
+                           "torch.set_num_threads": 1, **MALLOC_ENV},
             "netem": netem_msg, "tcp_goodput_bps": goodput,
         },
         "config": {"model": cfg, "sgd": SGD, "prelude_steps": PRELUDE_STEPS,
@@ -747,7 +792,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--worker", choices=["jax"], help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--processes", type=int, default=4, help="JAX/torch processes (namespaces)")
-    p.add_argument("--rates", default="none,10gbit,1gbit,100mbit",
+    p.add_argument("--rates", default="none,1gbit,100mbit",
                    help="comma-separated link rates (tbf), 'none' = unshaped")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method and rate")
     p.add_argument("--methods", default=",".join(JAX_METHODS), help="commjax methods")
