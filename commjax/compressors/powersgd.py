@@ -23,7 +23,18 @@ Error feedback is :func:`commjax.compressed_mean`'s ``error_feedback`` option (d
 on). The transform adds the residual ``e_i`` to the gradient and keeps
 ``e_i <- x_i - M_hat`` with ``x_i = g_i + e_i``: the residual is taken against the
 decompressed **mean** approximation, as in PyTorch's DDP hook and the paper. PowerSGD is
-biased, so turning it off is rarely a good idea.
+biased, so turning it off is rarely a good idea. Only the replicas' *mean* residual
+enters ``M_hat`` (``P`` sums the ``M_i Q^``), and it is the residual of the mean's
+compression; each replica's own residual also keeps its accumulated deviation from the
+mean, so the ``residual_norm`` metric grows with the replicas' disagreement (non-i.i.d.
+data) without biasing the result.
+
+State: the factors (``Q``; ``P`` too with ``alternating``) are replicated, in
+``CompressedMeanState.compressor_state`` (:class:`PowerSGDState`, ``P()`` under
+``shard_map``); the residual is per replica. The phase (warm-up, P-step, Q-step) follows
+the transform's step counter, so a restored checkpoint resumes in the right phase.
+Columns of ``Q`` (or ``P``) that die (a zero gradient) are re-drawn from the key shared
+by all replicas before use, so the iteration never stays stuck at zero.
 
 Bytes sent per step and device (ring all-reduce of fp32 over ``N`` replicas; sums over
 the compressed leaves, ``r_l = min(r, m_l, n_l)``)::
@@ -35,6 +46,12 @@ the compressed leaves, ``r_l = min(r, m_l, n_l)``)::
 
 Leaves that are 1-D, or whose compression rate ``m n / ((m + n) r)`` is below
 ``min_compression_rate``, are averaged exactly in the transform's fused exact bucket.
+With ``start_step > 0`` or ``alternating`` the phases are branches of one ``lax.cond``
+/ ``lax.switch``; a static count of the compiled HLO's collectives
+(:func:`commjax.collective_bytes`) lists every branch's all-reduce, while
+:meth:`PowerSGD.phase_bytes` gives each phase's bytes and
+:meth:`PowerSGD.exchange_bytes` (what :func:`commjax.communication_plan` reports) the
+steady state after the warm-up.
 
 References:
   T. Vogels, S. P. Karimireddy, M. Jaggi. "PowerSGD: Practical Low-Rank Gradient
