@@ -107,7 +107,7 @@ class OneBitAdamState(NamedTuple):
     server_residual: jax.Array
 
 
-@per_replica("coeff", "factor", "residual", "server_residual")
+@per_replica("residual", "server_residual")
 class OneBitLambState(NamedTuple):
     """State of :func:`onebit_lamb`.
 
@@ -116,14 +116,15 @@ class OneBitLambState(NamedTuple):
       nu_fresh: pytree like the parameters, float32, replicated: the second moment of
         the gradients reconstructed from consecutive compressed momenta (compression
         stage; equal to ``nu`` at the end of warm-up).
-      coeff: pytree of float32 ``[1]`` (one per leaf), per-replica: running average of
+      coeff: pytree of float32 scalars (one per leaf), replicated: running average of
         the clipped trust ratios during warm-up (not bias-corrected; frozen after).
-      factor: pytree of float32 ``[1]`` (one per leaf), per-replica: last scaling
+      factor: pytree of float32 scalars (one per leaf), replicated: last scaling
         factor of the frozen trust ratio (1 until the compression stage).
 
-    ``coeff`` and ``factor`` are computed from the parameters, which a training loop
-    may keep per replica; they are identical on every replica whenever the parameters
-    are, and are laid out per-replica (global ``[N]`` per leaf, ``P(axis_name)``).
+    The trust ratio and the factor depend on the parameters, which a training loop may
+    keep per replica; their per-leaf scalars are averaged over the replicas in one small
+    all-reduce (one float per leaf), so they are replicated whichever way the parameters
+    are kept (and unchanged when the parameters are identical on every replica).
     """
 
     count: jax.Array
@@ -324,6 +325,14 @@ def _stage(cfg: _Config, count: jax.Array, warm_fn, comp_fn, operands):
     return lax.cond(count < cfg.warmup_steps, warm_fn, comp_fn, operands)
 
 
+def _replica_mean(cfg: _Config, scalars: list, n_rep: int) -> list:
+    """Mean over the replicas of a few scalars, in one all-reduce (replicated result)."""
+    if cfg.axis_name is None or n_rep == 1 or not scalars:
+        return scalars
+    mean = _compat.psum(jnp.stack(scalars), cfg.axis_name) / n_rep
+    return [mean[i] for i in range(len(scalars))]
+
+
 def _leaves_of(tree, treedef):
     return treedef.flatten_up_to(tree)
 
@@ -517,7 +526,10 @@ def onebit_lamb(
     ``block_size`` entries (never spanning two leaves) has its own scale, so no
     rescaling is needed.
 
-    Bytes per step: as :func:`onebit_adam`. Differences from :func:`onebit_adam`:
+    Bytes per step: as :func:`onebit_adam`, plus an all-reduce of one float per leaf (the
+    trust ratios, averaged over replicas so that they are replicated even when the
+    parameters are kept per replica) during warm-up, and after it if ``weight_decay > 0``.
+    Differences from :func:`onebit_adam`:
     ``warmup_steps >= 1`` (the trust ratio is estimated during warm-up), ``params`` are
     required in ``update``, and ``eps`` defaults to ``1e-6`` as in LAMB.
 
@@ -558,11 +570,11 @@ def onebit_lamb(
 
     def init_fn(params):
         cm = _exchange_tx(cfg).init(params)
-        scalars = jax.tree_util.tree_map(lambda p: jnp.zeros((1,), jnp.float32), params)
+        scalars = jax.tree_util.tree_map(lambda p: jnp.zeros((), jnp.float32), params)
         return OneBitLambState(
             count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params), nu=_f32_zeros(params),
             nu_fresh=_f32_zeros(params), coeff=scalars,
-            factor=jax.tree_util.tree_map(lambda p: jnp.ones((1,), jnp.float32), params),
+            factor=jax.tree_util.tree_map(lambda p: jnp.ones((), jnp.float32), params),
             residual=cm.residual, server_residual=cm.server_residual,
         )
 
@@ -588,12 +600,11 @@ def onebit_lamb(
             mu = [cfg.b1 * m + (1 - cfg.b1) * x for m, x in zip(mu, g)]
             nu = [cfg.b2 * v + (1 - cfg.b2) * x * x for v, x in zip(nu, g)]
             bc2 = _bias(cfg.b2, t1, cfg.bias_correction)
-            steps, new_coeff = [], []
-            for m, v, c, x in zip(mu, nu, coeff, w):
-                u = _ratio(cfg, m / bc1, v / bc2, guarded=False) + wd * x
-                r = trust(u, x)
-                new_coeff.append((coeff_beta * c[0] + (1 - coeff_beta) * r).reshape(1))
-                steps.append(r * u)
+            us = [_ratio(cfg, m / bc1, v / bc2, guarded=False) + wd * x
+                  for m, v, x in zip(mu, nu, w)]
+            ratios = _replica_mean(cfg, [trust(u, x) for u, x in zip(us, w)], n_rep)
+            new_coeff = [coeff_beta * c + (1 - coeff_beta) * r for c, r in zip(coeff, ratios)]
+            steps = [r * u for r, u in zip(ratios, us)]
             return steps, mu, nu, list(nu), new_coeff, factor, res, srv, _any_nonfinite(g)
 
         def comp(ops):
@@ -604,8 +615,8 @@ def onebit_lamb(
             bc2 = _bias(cfg.b2, tw, cfg.bias_correction)
             bc2_fresh = _bias(cfg.b2, t1, cfg.bias_correction)
             bc_c = 1.0 - coeff_beta ** cfg.warmup_steps
-            steps, new_fresh, new_factor = [], [], []
-            for m, mp, v, vf, c, f_prev, x in zip(mu, mu_prev, nu, nu_fresh, coeff, factor, w):
+            us, new_fresh, raw = [], [], []
+            for m, mp, v, vf, x in zip(mu, mu_prev, nu, nu_fresh, w):
                 g_rec = (m - cfg.b1 * mp) / (1 - cfg.b1)
                 vf = cfg.b2 * vf + (1 - cfg.b2) * g_rec * g_rec
                 new_fresh.append(vf)
@@ -617,10 +628,16 @@ def onebit_lamb(
                     un = jnp.linalg.norm(u)
                     rho = jnp.minimum(1.0, jnp.linalg.norm(u_pre) / jnp.where(un > 0, un, 1.0))
                     fac = rho * fac + (1.0 - rho)
+                us.append(u)
+                raw.append(fac)
+            new_factor, steps = [], []
+            if wd:  # the factor then depends on the (possibly per-replica) parameters
+                raw = _replica_mean(cfg, raw, n_rep)
+            for fac, f_prev, c, u in zip(raw, factor, coeff, us):
                 fac = jnp.clip(fac, factor_min, factor_max)
-                fac = jnp.clip(fac, f_prev[0] * (1 - factor_threshold), f_prev[0] * (1 + factor_threshold))
-                new_factor.append(fac.reshape(1))
-                steps.append((c[0] / bc_c) * fac * u)
+                fac = jnp.clip(fac, f_prev * (1 - factor_threshold), f_prev * (1 + factor_threshold))
+                new_factor.append(fac)
+                steps.append((c / bc_c) * fac * u)
             bad = _any_nonfinite(mu)
             return steps, mu, nu, new_fresh, coeff, new_factor, res, srv, bad
 
