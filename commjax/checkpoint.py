@@ -139,6 +139,7 @@ class Checkpointer:
         ocp = _ocp()
         paths, leaves, _ = _flatten(tree)
         key_impls: dict[str, str] = {}
+        empty: dict[str, list] = {}
         arrays: dict[str, Any] = {}
         for i, leaf in enumerate(leaves):
             if _is_typed_key(leaf):
@@ -146,11 +147,17 @@ class Checkpointer:
                 leaf = jax.random.key_data(leaf)
             elif not isinstance(leaf, (jax.Array, np.ndarray)):
                 leaf = np.asarray(leaf)
+            if leaf.size == 0:
+                # orbax refuses zero-size arrays (no residual without error feedback, no
+                # server residual outside the two-phase reducer): keep shape and dtype.
+                empty[_leaf_name(i)] = [list(leaf.shape), np.dtype(leaf.dtype).name]
+                continue
             arrays[_leaf_name(i)] = leaf
         meta = {
             "format": _FORMAT,
             "paths": paths,
             "typed_keys": key_impls,
+            "empty": empty,
             "user": dict(metadata or {}),
         }
         saved = self._manager.save(
@@ -199,6 +206,7 @@ class Checkpointer:
                 "the saved tree was built (same model, optimizer and transforms)."
             )
         typed = meta.get("typed_keys", {})
+        empty = meta.get("empty", {})
         targets: dict[str, Any] = {}
         for i, leaf in enumerate(leaves):
             name = _leaf_name(i)
@@ -218,10 +226,24 @@ class Checkpointer:
                 targets[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
             else:
                 targets[name] = np.asarray(leaf)
+        out: dict[str, Any] = {}
+        for name, (shape, dtype) in empty.items():
+            target = targets.pop(name)
+            if tuple(np.shape(target)) != tuple(shape):
+                raise CheckpointMismatchError(
+                    f"Checkpointer.restore: leaf {paths[int(name.split('_')[1])]} has shape "
+                    f"{tuple(shape)} in the checkpoint but {tuple(np.shape(target))} in the template."
+                )
+            sharding = getattr(target, "sharding", None)
+            if sharding is not None:
+                out[name] = jax.device_put(jnp.zeros(shape, dtype), sharding)
+            else:
+                out[name] = np.zeros(shape, dtype)
         try:
-            out = self._manager.restore(
-                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(targets)})
-            )[_STATE]
+            if targets:
+                out.update(self._manager.restore(
+                    step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(targets)})
+                )[_STATE])
         except ValueError as e:
             raise CheckpointMismatchError(
                 f"Checkpointer.restore: the template's shapes or dtypes do not match checkpoint "
@@ -231,7 +253,8 @@ class Checkpointer:
         for i, leaf in enumerate(leaves):
             name = _leaf_name(i)
             value = out[name]
-            want_shape = tuple(np.shape(targets[name]))
+            want_shape = tuple(np.shape(leaves[i] if not _is_typed_key(leaves[i])
+                                        else jax.random.key_data(leaves[i])))
             if tuple(np.shape(value)) != want_shape:
                 raise CheckpointMismatchError(
                     f"Checkpointer.restore: leaf {paths[i]} has shape {np.shape(value)} in the "
