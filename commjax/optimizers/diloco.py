@@ -68,26 +68,17 @@ class DiLoCoState(NamedTuple):
 
 
 def landing_update(params: Any, target: Any) -> Any:
-    """Updates ``u`` such that ``optax.apply_updates(params, u)`` lands on ``target``.
+    """Updates ``u = target - params``, so that ``optax.apply_updates(params, u)`` lands on
+    ``target``.
 
-    ``u = target - params`` rounds, so ``params + u`` may miss ``target`` by a unit in the
-    last place; one correction ``u + (target - (params + u))`` is kept where it lands
-    closer. The result is exact (``params + u == target``) whenever ``target - params``
-    is representable (for instance when ``target / 2 <= params <= 2 target``, Sterbenz)
-    and, more generally, whenever some float ``u`` lands there. When none does (an entry
-    that moved by much more than its own magnitude, e.g. across zero), the miss is at
-    most ``2^-24 (|target - params| + |target|)`` in float32 (half an ulp of each).
+    ``params + (target - params)`` equals ``target`` exactly whenever ``target - params``
+    is representable, which covers every entry that moved by at most its own magnitude
+    (``target / 2 <= params <= 2 target``, Sterbenz's lemma) and many more. Where it is
+    not, no float ``u`` at all lands exactly (the low bits of ``params`` cannot be
+    cancelled at the exponent of the move), and the miss is at most half an ulp of each
+    term: ``|params + u - target| <= 2^-24 (|target - params| + |target|)`` in float32.
     """
-
-    def one(p, n):
-        u = n - p
-        r = p + u
-        u2 = u + (n - r)
-        r2 = p + u2
-        better = jnp.abs(r2 - n) < jnp.abs(r - n)
-        return jnp.where(better, u2, u)
-
-    return jax.tree_util.tree_map(one, params, target)
+    return jax.tree_util.tree_map(lambda p, n: n - p, params, target)
 
 
 def _check_vary(params: Any, axis_name: Any) -> None:
@@ -138,20 +129,23 @@ def diloco(
         theta <- theta + outer.update(delta, theta)
         return landing_update(p, theta)        # p + u == theta (see below)
 
-    The returned update at a sync step is computed as ``theta - p`` (with one rounding
-    correction, :func:`landing_update`), not as the outer step plus the local drift, so
-    that after applying it every replica holds ``theta``: bit-identical wherever
-    ``theta - p`` is exactly representable, which covers every entry that did not move
-    by much more than its own magnitude in the round; elsewhere a replica may miss
-    ``theta`` by at most ``2^-24 (|theta - p| + |theta|)`` (float32). This never
-    accumulates: the anchor ``theta`` is kept exactly in the (replicated) state and the
-    next round's pseudo-gradient is measured from it.
+    The returned update at a sync step is computed as ``theta - p``
+    (:func:`landing_update`), not as the outer step plus the local drift, so that after
+    applying it every replica holds ``theta``: bit-identical wherever ``theta - p`` is
+    exactly representable, which covers every entry that moved by at most its own
+    magnitude in the round (and most others). An entry that moved by more (across zero,
+    say) cannot land exactly from every replica, whatever the update: ``p + u`` keeps the
+    low bits of each replica's own ``p``. There a replica may miss ``theta`` by at most
+    ``2^-24 (|theta - p| + |theta|)`` (float32, half an ulp of each term). This never
+    accumulates: the anchor ``theta`` is kept exactly in the (replicated) state, it is
+    bit-identical on every replica, and the next round's pseudo-gradient is measured
+    from it, not from the replica's parameters.
 
     The inner optimizer keeps its own state per replica across rounds (it is not reset
     at a sync); the outer optimizer's state is replicated.
 
-    Non-finite values: a NaN/Inf inner update on a replica (between syncs nobody else can
-    know) returns NaN on that replica and keeps that replica's inner state. At a sync a
+    Non-finite values: a NaN/Inf in a replica's inner update (between syncs nobody else
+    can know) makes that replica's whole update NaN and keeps that replica's inner state. At a sync a
     non-finite pseudo-gradient mean (any replica) makes the update NaN on every replica
     and keeps the anchor, the outer state and the exchange residuals; the step counter
     always advances, so all replicas stay on the same sync schedule.
@@ -247,6 +241,7 @@ def diloco(
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree_util.tree_leaves(u_in)]
                                or [jnp.asarray(True)]))
         new_inner = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_inner, inner_state)
+        u_in = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), u_in)
         local = optax.apply_updates(params, u_in)
 
         def no_sync(ops):
