@@ -35,6 +35,15 @@ def _safe_recip(s: jax.Array) -> jax.Array:
     return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
 
 
+def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool) -> Optional[jax.Array]:
+    """The noise ``u ~ U[0, 1)`` that :func:`_round_levels` adds (``None``: round to nearest)."""
+    if not stochastic:
+        return None
+    if key is None:
+        raise ValueError("a stochastic compressor needs a PRNG key")
+    return jax.random.uniform(key, shape, jnp.float32)
+
+
 def _round_levels(q: jax.Array, key: Optional[jax.Array], stochastic: bool) -> jax.Array:
     if stochastic:
         if key is None:
@@ -78,6 +87,25 @@ class _ScaledCodec(BlockCompressor):
         scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
         return levels.astype(jnp.float32), scale
 
+    # decode_blocks is ``(c - offset) * (scale / divisor)`` (``* scale`` when None).
+    _divisor: ClassVar[Optional[str]] = None
+
+    def _decode_options(self) -> dict:
+        divisor = None if self._divisor is None else getattr(self, self._divisor)
+        return dict(bits=self.bits, block_size=self.block_size, offset=self.offset, divisor=divisor)
+
+    def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
+        """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
+        ``uint32[N, payload_words(n)]``: what a reducer computes from the payloads it
+        receives, in one fused kernel (:func:`commjax.kernels.decode_sum`).
+
+        Summed in replica order in fp32 from zeros, each decoded value rounded to fp32
+        before it is added (no fused multiply-add), so the result is the same with and
+        without kernels and on every replica.
+        """
+        rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
+        return kernels.decode_sum(rows, **self._decode_options()).reshape(n)
+
 
 @dataclasses.dataclass(frozen=True)
 class Quantize(_ScaledCodec):
@@ -104,11 +132,29 @@ class Quantize(_ScaledCodec):
     def offset(self) -> int:
         return self.levels
 
+    _divisor: ClassVar[Optional[str]] = "levels"
+
     def encode_blocks(self, blocks, key):
-        scale = jnp.max(jnp.abs(blocks), axis=1)
-        q = blocks * (self.levels * _safe_recip(scale))[:, None]
-        lv = jnp.clip(_round_levels(q, key, self.stochastic_rounding), -self.levels, self.levels)
-        return self._pack(lv, scale)
+        # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale],
+        # fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
+        # exactly these operations).
+        u = _uniforms(key, blocks.shape, self.stochastic_rounding)
+        return kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, uniforms=u, output=None)[0]
+
+    def encode_with_feedback(
+        self, g: jax.Array, residual: jax.Array, key: Optional[jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Error feedback fused with encoding: ``y = g + residual``, returns
+        ``(encode(y), y - decode(encode(y)))`` from one kernel pass
+        (:func:`commjax.kernels.quantize_blocks` with ``output="residual"``). The decoded
+        value is rounded to fp32 before the subtraction (no fused multiply-add)."""
+        nb = g.shape[0] // self.block
+        u = _uniforms(key, (nb, self.block), self.stochastic_rounding)
+        rows, res = kernels.quantize_blocks(
+            g.reshape(nb, self.block), bits=self.bits, levels=self.levels, uniforms=u,
+            residual=residual.reshape(nb, self.block), output="residual",
+        )
+        return rows.reshape(-1), res.reshape(-1)
 
     def decode_blocks(self, rows):
         lv, scale = self._unpack(rows)
@@ -137,6 +183,8 @@ class QSGD(_ScaledCodec):
         lv = jnp.clip(_round_levels(q, key, True), 0, self.num_levels) * jnp.sign(blocks)
         return self._pack(lv, norm)
 
+    _divisor: ClassVar[Optional[str]] = "num_levels"
+
     def decode_blocks(self, rows):
         lv, norm = self._unpack(rows)
         return lv * (norm / self.num_levels)[:, None]
@@ -159,10 +207,14 @@ class TernGrad(_ScaledCodec):
         return 1
 
     def encode_blocks(self, blocks, key):
-        if self.clip_sigma is not None:
-            sigma = jnp.std(blocks, axis=1, keepdims=True)
-            bound = self.clip_sigma * sigma
-            blocks = jnp.clip(blocks, -bound, bound)
+        if self.clip_sigma is None:
+            # Unclipped TernGrad is 2-bit absmax quantization with L = 1 and stochastic
+            # rounding: the same operations, so the same fused kernel.
+            u = _uniforms(key, blocks.shape, True)
+            return kernels.quantize_blocks(blocks, bits=2, levels=1, uniforms=u, output=None)[0]
+        sigma = jnp.std(blocks, axis=1, keepdims=True)
+        bound = self.clip_sigma * sigma
+        blocks = jnp.clip(blocks, -bound, bound)
         scale = jnp.max(jnp.abs(blocks), axis=1)
         q = blocks * _safe_recip(scale)[:, None]
         lv = jnp.clip(_round_levels(q, key, True), -1, 1)

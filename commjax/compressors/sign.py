@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -36,16 +37,35 @@ class Sign(BlockCompressor):
         return words_per_plane(self.block_size) + 1
 
     def encode_blocks(self, blocks, key):
-        scale = jnp.mean(jnp.abs(blocks), axis=1)
-        bits = (blocks >= 0).astype(jnp.uint32)
-        words = kernels.pack_codes(bits, 1)
-        scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
-        return jnp.concatenate([words, scale_word[:, None]], axis=1)
+        # scale = mean |x|; bits = x >= 0; row = [pack(bits) | scale], fused in one kernel
+        # pass (commjax.kernels.sign_blocks, whose reference is exactly these operations).
+        return kernels.sign_blocks(blocks, output=None)[0]
+
+    def encode_with_feedback(
+        self, g: jax.Array, residual: jax.Array, key: Optional[jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Error feedback fused with encoding: ``y = g + residual``, returns
+        ``(encode(y), y - decode(encode(y)))`` from one kernel pass
+        (:func:`commjax.kernels.sign_blocks` with ``output="residual"``)."""
+        nb = g.shape[0] // self.block
+        rows, res = kernels.sign_blocks(
+            g.reshape(nb, self.block), residual=residual.reshape(nb, self.block), output="residual"
+        )
+        return rows.reshape(-1), res.reshape(-1)
 
     def decode_blocks(self, rows):
         bits = kernels.unpack_codes(rows[:, :-1], 1, self.block_size)
         scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
         return (bits.astype(jnp.float32) * 2.0 - 1.0) * scale[:, None]
+
+    def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
+        """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
+        ``uint32[N, payload_words(n)]``: what a reducer computes from the payloads it
+        receives, in one fused kernel (:func:`commjax.kernels.decode_sum`), in replica
+        order and in fp32 from zeros."""
+        rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
+        return kernels.decode_sum(rows, bits=1, block_size=self.block_size, offset=1, step=2,
+                                  divisor=None).reshape(n)
 
 
 def sign(block_size: int = 256) -> Sign:

@@ -1,0 +1,96 @@
+"""Pack / unpack kernels for the bit-plane wire format of :mod:`commjax.packing`.
+
+References: :func:`commjax.packing.pack_codes` and :func:`commjax.packing.unpack_codes`
+(pure jnp, the format's definition). The kernels produce the same words bit for bit.
+
+Memory traffic per element of a ``bits``-bit code: pack reads 4 bytes and writes
+``bits / 8``; unpack the reverse.
+
+Lowerings: Mosaic TPU and interpret mode through a row-tiled ``pallas_call``. Blocks
+whose size is not a multiple of 32 (a word straddles the row's padding) use the
+reference on every backend.
+
+In ``auto`` mode these standalone passes use the reference: a separate pass materialises
+the codes (4 bytes per element), where XLA fuses the reference's shifts with the
+producer or consumer of the codes. The hot paths are the fused codec kernels of
+:mod:`commjax.kernels.quantize`, :mod:`commjax.kernels.sign` and
+:mod:`commjax.kernels.decode`, which pack and unpack in registers; these two kernels run
+in ``pallas`` and ``interpret`` modes (and serve as their building blocks' tests). They
+have no Mosaic GPU version (the reference runs there in every mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from commjax import packing
+from commjax.kernels._bits import pack_tile, unpack_tile
+from commjax.kernels._dispatch import dispatch
+from commjax.kernels._tiling import row_call, tile_rows
+
+__all__ = ["pack_codes", "unpack_codes"]
+
+
+def _check_bits(bits: int) -> None:
+    if not 1 <= bits <= 16:
+        raise ValueError(f"bits must be in [1, 16], got {bits}")
+
+
+def _pack_pallas(codes: jax.Array, *, bits: int, tile: Optional[int], interpret: Any = False) -> jax.Array:
+    lead, b = codes.shape[:-1], codes.shape[-1]
+    rows = math.prod(lead)
+    flat = codes.astype(jnp.uint32).reshape(rows, b)
+    t = tile_rows(rows, b, interpret=bool(interpret), tile=tile)
+
+    def body(c_ref, o_ref):
+        o_ref[...] = pack_tile(c_ref[...], bits)
+
+    (out,) = row_call(body, rows=rows, tile=t, inputs=[flat], out_cols=[(bits * (b // 32), jnp.uint32)],
+                      interpret=interpret, name=f"commjax_pack{bits}")
+    return out.reshape(lead + (bits * (b // 32),))
+
+
+def _unpack_pallas(words: jax.Array, *, bits: int, block: int, tile: Optional[int],
+                   interpret: Any = False) -> jax.Array:
+    lead, nw = words.shape[:-1], words.shape[-1]
+    rows = math.prod(lead)
+    flat = words.astype(jnp.uint32).reshape(rows, nw)
+    t = tile_rows(rows, block, interpret=bool(interpret), tile=tile)
+
+    def body(w_ref, o_ref):
+        o_ref[...] = unpack_tile(w_ref[...], bits, block)
+
+    (out,) = row_call(body, rows=rows, tile=t, inputs=[flat], out_cols=[(block, jnp.uint32)],
+                      interpret=interpret, name=f"commjax_unpack{bits}")
+    return out.reshape(lead + (block,))
+
+
+def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None) -> jax.Array:
+    """Kernel-dispatched :func:`commjax.packing.pack_codes`: ``codes[..., B] -> uint32[..., bits * ceil(B/32)]``."""
+    _check_bits(bits)
+    reference = functools.partial(packing.pack_codes, bits=bits)
+    b = codes.shape[-1]
+    rows = math.prod(codes.shape[:-1])
+    if b % 32 or rows == 0 or b == 0:
+        return reference(codes)
+    kernel = functools.partial(_pack_pallas, bits=bits, tile=tile)
+    return dispatch("pack_codes", reference, tpu=kernel, interpret=kernel, args=(codes,), auto=False)
+
+
+def unpack_codes(words: jax.Array, bits: int, block_size: int, *, tile: Optional[int] = None) -> jax.Array:
+    """Kernel-dispatched :func:`commjax.packing.unpack_codes`: ``uint32[..., bits * W] -> uint32[..., block_size]``."""
+    _check_bits(bits)
+    reference = functools.partial(packing.unpack_codes, bits=bits, block_size=block_size)
+    w = packing.words_per_plane(block_size)
+    if words.shape[-1] != bits * w:
+        return reference(words)  # raises the reference's error
+    rows = math.prod(words.shape[:-1])
+    if block_size % 32 or rows == 0:
+        return reference(words)
+    kernel = functools.partial(_unpack_pallas, bits=bits, block=block_size, tile=tile)
+    return dispatch("unpack_codes", reference, tpu=kernel, interpret=kernel, args=(words,), auto=False)

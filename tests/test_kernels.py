@@ -1,0 +1,434 @@
+"""Pallas kernels against their pure-jnp references, bit for bit (interpret mode on CPU).
+
+Inputs come from a fresh seed per test session (printed in every failure message), so
+each CI run checks new random inputs. Also: the codecs route through the dispatch
+without changing a bit, a training run is bit-identical in ``interpret`` and
+``reference`` modes, the kernels lower for TPU (Mosaic) and CUDA (Mosaic GPU) from this
+CPU machine, and the Mosaic GPU word-row algorithm (run with jnp) matches the references.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import commjax as cj
+from commjax import _compat, kernels, packing, testing
+from commjax.kernels import decode as kdecode
+from commjax.kernels import mosaic_gpu
+from commjax.kernels import quantize as kquant
+from commjax.kernels import sign as ksign
+
+SEED = secrets.randbits(31)
+
+
+def _key(*salt: int) -> jax.Array:
+    k = jax.random.PRNGKey(SEED)
+    for s in salt:
+        k = jax.random.fold_in(k, s)
+    return k
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype.itemsize == 4 else a
+
+
+def assert_bits_equal(a, b, what: str) -> None:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    diff = _bits(a) != _bits(b)
+    assert not diff.any(), (
+        f"{what}: {int(diff.sum())} of {diff.size} values differ (seed {SEED}); "
+        f"first at {np.argwhere(diff)[0].tolist()}"
+    )
+
+
+def run_modes(fn, *args, modes=("reference", "interpret")):
+    """``jit(fn)(*args)`` traced afresh in each mode."""
+    out = {}
+    for mode in modes:
+        with kernels.use_mode(mode):
+            out[mode] = jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
+    return out
+
+
+def _rng(salt: int) -> np.random.Generator:
+    return np.random.default_rng([SEED, salt])
+
+
+def _blocks(n: int, block: int, salt: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A flat vector of ``n`` elements padded with zeros to whole blocks, as ``[nb, B]``,
+    with per-block magnitudes over six decades, plus uniforms and a residual."""
+    rng = _rng(salt)
+    nb = -(-n // block)
+    x = rng.standard_normal(n, np.float32) * np.repeat(10.0 ** rng.uniform(-3, 3, nb), block)[:n].astype(np.float32)
+    x = np.pad(x, (0, nb * block - n)).reshape(nb, block)
+    u = rng.random((nb, block), np.float32)
+    e = (0.1 * rng.standard_normal((nb, block), np.float32)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(u), jnp.asarray(e)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_mode_selection(monkeypatch):
+    kernels.set_mode(None)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    assert kernels.get_mode() == "auto"
+    monkeypatch.setenv(kernels.ENV_VAR, "Interpret")
+    assert kernels.get_mode() == "interpret"
+    with kernels.use_mode("reference"):
+        assert kernels.get_mode() == "reference"
+        kernels.set_mode("pallas")
+        assert kernels.get_mode() == "pallas"
+    assert kernels.get_mode() == "interpret"
+    monkeypatch.setenv(kernels.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="COMMJAX_KERNELS.*'auto', 'pallas', 'interpret', 'reference'.*'fast'"):
+        kernels.get_mode()
+    with pytest.raises(ValueError, match="set_mode.*'gpu'"):
+        kernels.set_mode("gpu")
+
+
+def test_mode_switch_retraces_cached_functions():
+    x, u, _ = _blocks(512, 256, 1)
+    f = jax.jit(lambda x, u: kernels.quantize_blocks(x, bits=4, uniforms=u, output=None)[0])
+    seen = {}
+    for mode in ("interpret", "reference", "interpret"):
+        with kernels.use_mode(mode):
+            seen[mode] = "pallas_call" in str(f.trace(x, u).jaxpr)
+    assert seen == {"interpret": True, "reference": False}
+
+
+def test_interpret_mode_really_runs_a_pallas_kernel():
+    x, u, _ = _blocks(512, 256, 1)
+    f = lambda x, u: kernels.quantize_blocks(x, bits=4, uniforms=u, output=None)[0]
+    for mode, expect in (("interpret", True), ("reference", False)):
+        with kernels.use_mode(mode):
+            text = str(jax.make_jaxpr(f)(x, u))
+        assert ("pallas_call" in text) == expect, mode
+
+
+def test_bad_arguments():
+    x = jnp.zeros((2, 64))
+    with pytest.raises(ValueError, match="`bits` must be in \\[2, 16\\]"):
+        kernels.quantize_blocks(x, bits=1)
+    with pytest.raises(ValueError, match="`levels` must be in \\[1, 7\\]"):
+        kernels.quantize_blocks(x, bits=4, levels=8)
+    with pytest.raises(ValueError, match="`output` must be one of"):
+        kernels.quantize_blocks(x, bits=4, output="codes")
+    with pytest.raises(ValueError, match="`uniforms` must have x's shape"):
+        kernels.quantize_blocks(x, bits=4, uniforms=jnp.zeros((2, 32)))
+    with pytest.raises(ValueError, match="`x` must be \\[num_blocks, block_size\\]"):
+        kernels.sign_blocks(jnp.zeros(64))
+    with pytest.raises(ValueError, match="expected rows of 9 words"):
+        kernels.decode_rows(jnp.zeros((2, 8), jnp.uint32), bits=4, block_size=64, offset=7)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+QUANT_CASES = [  # (n elements, block, tile rows; None = the interpret default)
+    (1, 256, None), (127, 32, None), (4097, 32, 8), (2 ** 20 + 3, 256, None),
+]
+
+
+@pytest.mark.parametrize("n,block,tile", QUANT_CASES)
+def test_quantize_kernel_bit_identical(n, block, tile):
+    x, u, e = _blocks(n, block, salt=n)
+    configs = [  # (bits, stochastic, error feedback, output)
+        (8, True, True, "residual"), (8, False, False, None), (4, True, False, "decoded"),
+        (4, False, True, "residual"), (2, True, True, None), (2, False, False, "decoded"),
+    ]
+    if n > 100_000:
+        configs = [(4, True, True, "residual"), (2, False, False, "decoded")]
+
+    def f(x, u, e):
+        return [kernels.quantize_blocks(x, bits=b, uniforms=u if st else None, residual=e if ef else None,
+                                        output=out, tile=tile) for b, st, ef, out in configs]
+
+    res = run_modes(f, x, u, e)
+    for (b, st, ef, out), got, ref in zip(configs, res["interpret"], res["reference"]):
+        what = f"quantize bits={b} n={n} B={block} stochastic={st} ef={ef} out={out}"
+        assert_bits_equal(got[0], ref[0], what + " rows")
+        if out:
+            assert_bits_equal(got[1], ref[1], what + " " + out)
+
+
+def test_quantize_reference_is_the_codec_and_the_format():
+    """The kernel's oracle is the codec's own arithmetic, and its rows follow the wire
+    format: unpacking them gives l + L with |l| <= L, and the scale word is max |x|."""
+    x, u, _ = _blocks(40 * 64, 64, 7)
+    comp = cj.quantize(bits=4, block_size=64)
+    with kernels.use_mode("reference"):
+        rows, dec = jax.jit(lambda x, u: kquant.quantize_reference(x, u, None, bits=4, levels=7, output="decoded"))(x, u)
+        rows_codec = jax.jit(comp.decode_blocks)(rows)
+    codes = np.asarray(packing.unpack_codes(rows[:, :-1], 4, 64)).astype(np.int64)
+    assert codes.max() <= 14 and codes.min() >= 0
+    np.testing.assert_array_equal(np.asarray(rows[:, -1]).view(np.float32), np.abs(np.asarray(x)).max(1))
+    np.testing.assert_allclose(np.asarray(dec), np.asarray(rows_codec), rtol=1e-6, atol=0)
+    # Stochastic rounding stays within one step of x.
+    step = np.abs(np.asarray(x)).max(1, keepdims=True) / 7
+    assert np.all(np.abs(np.asarray(dec) - np.asarray(x)) <= step * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("n,block,tile", QUANT_CASES)
+def test_sign_kernel_bit_identical(n, block, tile):
+    x, _, e = _blocks(n, block, salt=3 * n + 1)
+    configs = [(True, "residual"), (False, None), (False, "decoded")]
+    if n > 100_000:
+        configs = configs[:1]
+
+    def f(x, e):
+        return [kernels.sign_blocks(x, residual=e if ef else None, output=out, tile=tile) for ef, out in configs]
+
+    res = run_modes(f, x, e)
+    for (ef, out), got, ref in zip(configs, res["interpret"], res["reference"]):
+        what = f"sign n={n} B={block} ef={ef} out={out}"
+        assert_bits_equal(got[0], ref[0], what + " rows")
+        if out:
+            assert_bits_equal(got[1], ref[1], what + " " + out)
+
+
+# The codecs' decode constants: (bits, offset, step, divisor).
+DECODERS = {
+    "quantize8": (8, 127, 1, 127), "quantize4": (4, 7, 1, 7), "quantize2": (2, 1, 1, 1),
+    "qsgd16": (6, 16, 1, 16), "terngrad": (2, 1, 1, None), "sign": (1, 1, 2, None),
+}
+
+
+def _random_rows(replicas: int, nb: int, block: int, bits: int, salt: int) -> jax.Array:
+    """Wire rows with random words and positive scales over eight decades."""
+    rng = _rng(salt)
+    w = packing.words_per_plane(block)
+    words = rng.integers(0, 2 ** 32, (replicas, nb, bits * w), dtype=np.uint32)
+    scale = (np.abs(rng.standard_normal((replicas, nb, 1))) * 10.0 ** rng.uniform(-4, 4, (replicas, nb, 1)))
+    return jnp.asarray(np.concatenate([words, scale.astype(np.float32).view(np.uint32)], axis=2))
+
+
+@pytest.mark.parametrize("nb,block,tile", [(1, 256, None), (127, 32, None), (129, 32, 8), (4097, 256, None)])
+def test_decode_kernels_bit_identical(nb, block, tile):
+    names = sorted(DECODERS) if nb < 1000 else ["quantize4", "sign"]
+    rows = {c: _random_rows(3, nb, block, DECODERS[c][0], salt=nb + i) for i, c in enumerate(names)}
+
+    def f(rows):
+        out = {}
+        for c in names:
+            bits, offset, step, divisor = DECODERS[c]
+            opts = dict(bits=bits, block_size=block, offset=offset, step=step, divisor=divisor, tile=tile)
+            out[c] = (kernels.decode_rows(rows[c][1], **opts), kernels.decode_sum(rows[c], **opts))
+        return out
+
+    res = run_modes(f, rows)
+    for c in names:
+        what = f"decode {c} nb={nb} B={block}"
+        assert_bits_equal(res["interpret"][c][0], res["reference"][c][0], what + " rows")
+        assert_bits_equal(res["interpret"][c][1], res["reference"][c][1], what + " sum")
+
+
+def test_decode_sum_semantics_against_numpy():
+    """Independent oracle (numpy, no fused multiply-add): the sum over replicas, in order,
+    from zeros, of each decoded value rounded to fp32; the step ``s / L`` as XLA computes
+    it (to within one ulp of ``s / L``)."""
+    bits, offset, step, divisor = DECODERS["quantize4"]
+    rows = _random_rows(4, 33, 64, bits, salt=11)
+    q = np.asarray(jax.jit(lambda r: kdecode.row_steps(r, divisor))(rows))
+    exact_q = np.asarray(rows[..., -1:]).view(np.float32) / np.float32(divisor)
+    assert np.all(np.abs(q - exact_q) <= np.spacing(exact_q))
+    lv = np.asarray(packing.unpack_codes(rows[..., :-1], bits, 64)).astype(np.int32) - offset
+    expect = np.zeros((33, 64), np.float32)
+    for r in range(4):
+        expect = expect + (lv[r].astype(np.float32) * q[r]).astype(np.float32)
+    for mode in ("reference", "interpret"):
+        with kernels.use_mode(mode):
+            got = jax.jit(lambda r: kernels.decode_sum(r, bits=bits, block_size=64, offset=offset,
+                                                       divisor=divisor))(rows)
+        assert_bits_equal(got, expect, f"decode_sum {mode} vs numpy")
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (127, 64), (3, 5, 256)])
+def test_pack_kernels_bit_identical(shape):
+    all_bits = (1, 2, 3, 8, 16)
+    codes = {b: jnp.asarray(_rng(b + shape[0]).integers(0, 2 ** b, shape, dtype=np.uint32)) for b in all_bits}
+
+    def f(codes):
+        return {b: (kernels.pack_codes(codes[b], b),
+                    kernels.unpack_codes(kernels.pack_codes(codes[b], b), b, shape[-1])) for b in all_bits}
+
+    res = run_modes(f, codes)
+    for b in all_bits:
+        assert_bits_equal(res["interpret"][b][0], res["reference"][b][0], f"pack bits={b} {shape}")
+        assert_bits_equal(res["interpret"][b][1], codes[b], f"unpack(pack) bits={b} {shape}")
+
+
+def test_unaligned_blocks_use_the_reference():
+    """Blocks that are not whole words (B % 32 != 0) have no kernel: same results, no
+    pallas_call in the program."""
+    x, u, _ = _blocks(5 * 100, 100, 9)
+    f = lambda x, u: kernels.quantize_blocks(x, bits=8, uniforms=u, output="decoded")
+    with kernels.use_mode("interpret"):
+        assert "pallas_call" not in str(jax.make_jaxpr(f)(x, u))
+    res = run_modes(f, x, u)
+    assert_bits_equal(res["interpret"][0], res["reference"][0], "unaligned rows")
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+CODECS = {
+    "quantize8": lambda: cj.quantize(bits=8, block_size=64),
+    "quantize4_nearest": lambda: cj.quantize(bits=4, block_size=64, stochastic=False),
+    "quantize2": lambda: cj.quantize(bits=2, block_size=64),
+    "qsgd": lambda: cj.qsgd(levels=16, block_size=64),
+    "terngrad": lambda: cj.terngrad(block_size=64),
+    "sign": lambda: cj.sign(block_size=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_codecs_identical_in_every_mode(name):
+    comp = CODECS[name]()
+    n = 37 * 64
+    x = jnp.asarray(3 * _rng(21).standard_normal(n, np.float32))
+    with kernels.use_mode("reference"):
+        payloads = jax.jit(lambda x, k: jnp.stack([comp.encode(x * (r + 1), jax.random.fold_in(k, r))
+                                                   for r in range(3)]))(x, _key(22))
+
+    def f(x, key, payloads):
+        words, local = comp.encode_and_decode(x, key)
+        return words, local, comp.decode(words, n), comp.decode_sum(payloads, n)
+
+    res = run_modes(f, x, _key(23), payloads)
+    for i, part in enumerate(("payload", "local", "decode", "decode_sum")):
+        assert_bits_equal(res["interpret"][i], res["reference"][i], f"{name} {part}")
+    # decode_sum is the sum of the decodes (each rounded, in order).
+    # decode_sum is the sum of the decodes, each rounded, in order (numpy: no fused multiply-add).
+    with kernels.use_mode("reference"):
+        decoded = np.asarray(jax.jit(lambda p: jnp.stack([comp.decode(p[r], n) for r in range(3)]))(payloads))
+    loop = np.zeros((n,), np.float32)
+    for r in range(3):
+        loop = loop + decoded[r]
+    assert_bits_equal(res["reference"][3], loop, f"{name} decode_sum vs decode loop")
+
+
+@pytest.mark.parametrize("name", ["quantize4_nearest", "quantize2", "sign"])
+def test_encode_with_feedback(name):
+    comp = CODECS[name]()
+    n = 20 * 64
+    g = jnp.asarray(_rng(31).standard_normal(n, np.float32))
+    e = jnp.asarray((0.3 * _rng(32).standard_normal(n)).astype(np.float32))
+    res = run_modes(lambda g, e, k: comp.encode_with_feedback(g, e, k), g, e, _key(33))
+    assert_bits_equal(res["interpret"][0], res["reference"][0], f"{name} fused payload")
+    assert_bits_equal(res["interpret"][1], res["reference"][1], f"{name} fused residual")
+    with kernels.use_mode("reference"):
+        words = jax.jit(lambda y, k: comp.encode(y, k))(g + e, _key(33))
+        dec = jax.jit(lambda w: comp.decode(w, n))(words)
+    assert_bits_equal(res["reference"][0], words, f"{name} fused payload vs encode(g + e)")
+    np.testing.assert_allclose(np.asarray(res["reference"][1]), np.asarray(g + e - dec), rtol=0, atol=1e-6)
+
+
+def _train(comp, reducer: str, mode: str, check_vma: bool):
+    task = testing.noniid_classification(8, examples_per_replica=32, dim=16, hidden=32, seed=SEED % 1000)
+    tx = optax.chain(cj.compressed_mean(comp, "data", reducer=reducer, min_compress_size=256), optax.sgd(0.1))
+    with kernels.use_mode(mode):
+        return testing.train(tx, task, 2, check_vma=check_vma)
+
+
+@pytest.mark.parametrize("name,reducer,check_vma", [
+    ("quantize4", "two_phase", True), ("sign", "allgather", False),
+])
+def test_training_bit_identical_across_modes(name, reducer, check_vma):
+    comp = cj.quantize(bits=4) if name == "quantize4" else cj.sign()
+    ref = _train(comp, reducer, "reference", check_vma)
+    ker = _train(comp, reducer, "interpret", check_vma)
+    assert ker.replicas_identical and ref.replicas_identical
+    for a, b in zip(jax.tree_util.tree_leaves(ker.replica_params), jax.tree_util.tree_leaves(ref.replica_params)):
+        assert_bits_equal(a, b, f"{name}/{reducer} params after training")
+    assert_bits_equal(ker.losses.astype(np.float32), ref.losses.astype(np.float32), "losses")
+
+
+def test_kernel_inside_shard_map_with_vma_checks():
+    """Under shard_map(check_vma=True) the interpret-mode kernel gets varying inputs."""
+    mesh = _compat.make_mesh((8,), ("data",))
+    x, u, e = _blocks(8 * 4 * 64, 64, 41)
+
+    def f(x, u, e):
+        return kernels.quantize_blocks(x, bits=8, uniforms=u, residual=e, output="residual")
+
+    for check_vma in (True, False):
+        sm = _compat.shard_map(f, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=(P("data"),) * 2,
+                               check_vma=check_vma)
+        res = run_modes(sm, x, u, e)
+        assert_bits_equal(res["interpret"][0], res["reference"][0], f"rows check_vma={check_vma}")
+        assert_bits_equal(res["interpret"][1], res["reference"][1], f"residual check_vma={check_vma}")
+
+
+# --------------------------------------------------------------------------- lowering
+
+
+def _lowering_cases(block: int, nb: int):
+    x = jnp.zeros((nb, block))
+    r4 = jnp.zeros((3, nb, 4 * (block // 32) + 1), jnp.uint32)
+    return {
+        "quantize": (lambda x, u, e: kernels.quantize_blocks(x, bits=4, uniforms=u, residual=e, output="residual"), (x, x, x)),
+        "quantize_nearest": (lambda x: kernels.quantize_blocks(x, bits=8, output=None), (x,)),
+        "sign": (lambda x, e: kernels.sign_blocks(x, residual=e, output="decoded"), (x, x)),
+        "decode": (lambda r: kernels.decode_rows(r, bits=4, block_size=block, offset=7, divisor=7), (r4[0],)),
+        "decode_sum": (lambda r: kernels.decode_sum(r, bits=4, block_size=block, offset=7, divisor=7), (r4,)),
+        "pack": (lambda c: kernels.pack_codes(c, 3), (jnp.zeros((nb, block), jnp.uint32),)),
+    }
+
+
+@pytest.mark.parametrize("platform,marker", [("tpu", "tpu_custom_call"), ("cuda", "mosaic_gpu")])
+def test_kernels_lower_for_accelerators(platform, marker):
+    """Cross-platform lowering from CPU: Pallas -> Mosaic TPU (the Mosaic compiler's own
+    layout passes run only on a TPU host, so this checks the Pallas-level lowering and
+    block shapes) and Pallas -> Mosaic GPU (whose layout inference and register layouts
+    run here, at lowering)."""
+    with kernels.use_mode("pallas"):
+        for nb in (64, 70):  # whole tiles, and a ragged tail
+            for name, (f, args) in _lowering_cases(256, nb).items():
+                if platform == "cuda" and name == "pack":
+                    continue  # no GPU pack kernel: the reference runs there
+                text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+                assert marker in text, f"{name} (nb={nb}) did not lower to a {platform} kernel"
+
+
+def test_pallas_mode_on_cpu_fails_clearly():
+    with kernels.use_mode("pallas"):
+        with pytest.raises(Exception, match="interpret mode"):
+            jax.jit(lambda x: kernels.sign_blocks(x, output=None)[0])(jnp.ones((4, 64)))
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_mosaic_gpu_algorithm_emulated(block):
+    """The GPU kernels' word-row algorithm (scales repeated per word, planes as row
+    sums, interleaving by XLA, floor by truncation) run with jnp on CPU: same bits."""
+    x, u, e = _blocks(37 * block, block, 51 + block)
+    rows = _random_rows(3, 37, block, 4, salt=52)
+    cases = {
+        "quantize": (lambda x, u, e: kquant.quantize_reference(x, u, e, bits=4, levels=7, output="residual"),
+                     lambda x, u, e: mosaic_gpu.quantize_kernel(x, u, e, bits=4, levels=7, output="residual")(x, u, e)),
+        "quantize8": (lambda x, u, e: kquant.quantize_reference(x, None, None, bits=8, levels=127, output="decoded"),
+                      lambda x, u, e: mosaic_gpu.quantize_kernel(x, None, None, bits=8, levels=127, output="decoded")(x, None, None)),
+        "sign": (lambda x, u, e: ksign.sign_reference(x, e, output="residual"),
+                 lambda x, u, e: mosaic_gpu.sign_kernel(x, e, output="residual")(x, e)),
+    }
+    for name, (ref_fn, gpu_fn) in cases.items():
+        ref = jax.jit(ref_fn)(x, u, e)
+        with mosaic_gpu.emulate():
+            got = jax.jit(gpu_fn)(x, u, e)
+        assert_bits_equal(got[0], ref[0], f"emulated {name} rows")
+        assert_bits_equal(got[1], ref[1], f"emulated {name} output")
+    opts = dict(bits=4, block_size=block, offset=7, step=1, divisor=7)
+    ref = jax.jit(lambda r: kdecode.decode_sum_reference(r, **opts))(rows)
+    with mosaic_gpu.emulate():
+        got = jax.jit(lambda r: mosaic_gpu.decode_kernel(r, accumulate=True, **opts)(r))(rows)
+    assert_bits_equal(got, ref, "emulated decode_sum")
