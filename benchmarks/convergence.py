@@ -139,10 +139,11 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(9, 5.5))
-        for name, c in curves.items():
+        colors = plt.cm.tab20(np.linspace(0, 1, max(len(curves), 2)))
+        for i, (name, c) in enumerate(curves.items()):
             x = np.linspace(0, args.steps, len(c))
-            ax.plot(x, c, label=name, lw=2.2 if name.startswith("exact") else 1.2,
-                    ls="--" if name.startswith("exact") else "-")
+            ax.plot(x, c, label=name, color=colors[i], lw=2.2 if name.startswith("exact") else 1.2,
+                    ls="--" if name.startswith("exact") else ("-" if i % 2 else "-."))
         ax.set_xlabel("step"); ax.set_ylabel("global training loss"); ax.set_yscale("log")
         ax.set_title("Non-i.i.d. task, 8 replicas, equal steps")
         ax.legend(fontsize=7, ncol=2)

@@ -104,6 +104,9 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
 
     def place(leaf: Any, marked: bool) -> Any:
         leaf = jnp.asarray(leaf)
+        if marked and leaf.size == 0:
+            # jit hands empty outputs back replicated; placing them so avoids a recompile.
+            return jax.device_put(leaf, NamedSharding(mesh, P()))
         if marked:
             if leaf.ndim == 0:
                 raise ValueError("per-replica state leaves need at least one dimension")
@@ -141,7 +144,9 @@ def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
     devices), as ``jax.pmap`` expects. Per-replica and replicated leaves alike: at init
     they are identical on every replica."""
     n = jax.local_device_count() if num_devices is None else num_devices
-    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), state)
+    stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), state)
+    # Place the arrays as pmap outputs are placed, so the first step does not compile twice.
+    return jax.pmap(lambda t: t, devices=jax.local_devices()[:n])(stacked)
 
 
 def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:

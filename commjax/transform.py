@@ -215,10 +215,13 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 num_replicas=n_rep, key=replica_key, shared_key=step_key, count=state.count,
             )
             res = ReduceResult(mean, local, state.server_residual)
-            any_bad = jnp.any(jnp.stack(global_bad))
-            new_comp_state = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(any_bad, old, new), comp_state, state.compressor_state
-            )
+            new_comp_state = comp_state
+            if cfg.check_finite:
+                # The flags are shared, so this keeps the replicated state replicated.
+                any_bad = jnp.any(jnp.stack(global_bad))
+                new_comp_state = jax.tree_util.tree_map(
+                    lambda new, old: jnp.where(any_bad, old, new), comp_state, state.compressor_state
+                )
         else:
             res = reduce_mean(
                 cfg.compressor, x, axis_name=axis, num_replicas=n_rep, reducer=plan.reducer,
@@ -241,6 +244,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
         if cfg.error_feedback:
             new_residual = jnp.concatenate(res_parts)
         if plan.server_residual_size:
+            # Without check_finite the flags are local: a replica keeps its own chunk's state.
             any_bad = jnp.any(jnp.stack(global_bad))
             new_server = jnp.where(any_bad, state.server_residual, res.server_residual)
 
