@@ -26,14 +26,14 @@ T_START = time.time()
 RUNS = (
     ("exact fp32 mean", "identity", {}),
     ("bf16 cast", "cast", {"dtype": "bfloat16"}),
-    ("8-bit quantize", "quantize", {"bits": 8}),
-    ("4-bit quantize", "quantize", {"bits": 4}),
+    ("8-bit quantize", "quantize", {"bits": 8, "rounding": "nearest"}),
+    ("4-bit quantize", "quantize", {"bits": 4, "rounding": "nearest"}),
     ("1-bit sign", "sign", {}),
     ("PowerSGD rank 4", "powersgd", {"rank": 4}),
 )
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=_cli.positive_int, default=300, help="steps per run (default 300)")
@@ -51,7 +51,11 @@ def parse_args(argv=None):
                    help="run only these compressors (the exact mean always runs)")
     p.add_argument("--out", default=".", help="directory for demo.png and demo.json (default .)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     _cli.use_cpu_devices(args.devices)
     return args
 
