@@ -135,31 +135,40 @@ def test_bad_arguments():
 # --------------------------------------------------------------------------- kernels
 
 
-QUANT_CASES = [  # (n elements, block, tile rows; None = the interpret default)
+CASES = [  # (n elements, block, tile rows; None = the interpret default)
     (1, 256, None), (127, 32, None), (4097, 32, 8), (2 ** 20 + 3, 256, None),
 ]
 
 
-@pytest.mark.parametrize("n,block,tile", QUANT_CASES)
-def test_quantize_kernel_bit_identical(n, block, tile):
+@pytest.mark.parametrize("n,block,tile", CASES)
+def test_encode_kernels_bit_identical(n, block, tile):
+    """Fused quantize (8/4/2 bits, stochastic or nearest, with or without error feedback,
+    every output) and sign kernels against their references, in one program per mode."""
     x, u, e = _blocks(n, block, salt=n)
-    configs = [  # (bits, stochastic, error feedback, output)
+    qconfigs = [  # (bits, stochastic, error feedback, output)
         (8, True, True, "residual"), (8, False, False, None), (4, True, False, "decoded"),
         (4, False, True, "residual"), (2, True, True, None), (2, False, False, "decoded"),
     ]
+    sconfigs = [(True, "residual"), (False, None), (False, "decoded")]
     if n > 100_000:
-        configs = [(4, True, True, "residual"), (2, False, False, "decoded")]
+        qconfigs, sconfigs = [(4, True, True, "residual"), (2, False, False, "decoded")], sconfigs[:1]
 
     def f(x, u, e):
-        return [kernels.quantize_blocks(x, bits=b, uniforms=u if st else None, residual=e if ef else None,
-                                        output=out, tile=tile) for b, st, ef, out in configs]
+        q = [kernels.quantize_blocks(x, bits=b, uniforms=u if st else None, residual=e if ef else None,
+                                     output=out, tile=tile) for b, st, ef, out in qconfigs]
+        s = [kernels.sign_blocks(x, residual=e if ef else None, output=out, tile=tile) for ef, out in sconfigs]
+        return q, s
 
     res = run_modes(f, x, u, e)
-    for (b, st, ef, out), got, ref in zip(configs, res["interpret"], res["reference"]):
-        what = f"quantize bits={b} n={n} B={block} stochastic={st} ef={ef} out={out}"
-        assert_bits_equal(got[0], ref[0], what + " rows")
+    checks = [(f"quantize bits={b} stochastic={st} ef={ef}", out) for b, st, ef, out in qconfigs]
+    checks += [(f"sign ef={ef}", out) for ef, out in sconfigs]
+    got = res["interpret"][0] + res["interpret"][1]
+    ref = res["reference"][0] + res["reference"][1]
+    for (what, out), g, r in zip(checks, got, ref):
+        what = f"{what} n={n} B={block} out={out}"
+        assert_bits_equal(g[0], r[0], what + " rows")
         if out:
-            assert_bits_equal(got[1], ref[1], what + " " + out)
+            assert_bits_equal(g[1], r[1], what + " " + out)
 
 
 def test_quantize_reference_is_the_codec_and_the_format():
@@ -177,24 +186,6 @@ def test_quantize_reference_is_the_codec_and_the_format():
     # Stochastic rounding stays within one step of x.
     step = np.abs(np.asarray(x)).max(1, keepdims=True) / 7
     assert np.all(np.abs(np.asarray(dec) - np.asarray(x)) <= step * (1 + 1e-5))
-
-
-@pytest.mark.parametrize("n,block,tile", QUANT_CASES)
-def test_sign_kernel_bit_identical(n, block, tile):
-    x, _, e = _blocks(n, block, salt=3 * n + 1)
-    configs = [(True, "residual"), (False, None), (False, "decoded")]
-    if n > 100_000:
-        configs = configs[:1]
-
-    def f(x, e):
-        return [kernels.sign_blocks(x, residual=e if ef else None, output=out, tile=tile) for ef, out in configs]
-
-    res = run_modes(f, x, e)
-    for (ef, out), got, ref in zip(configs, res["interpret"], res["reference"]):
-        what = f"sign n={n} B={block} ef={ef} out={out}"
-        assert_bits_equal(got[0], ref[0], what + " rows")
-        if out:
-            assert_bits_equal(got[1], ref[1], what + " " + out)
 
 
 # The codecs' decode constants: (bits, offset, step, divisor).
@@ -253,19 +244,18 @@ def test_decode_sum_semantics_against_numpy():
         assert_bits_equal(got, expect, f"decode_sum {mode} vs numpy")
 
 
-@pytest.mark.parametrize("shape", [(1, 32), (127, 64), (3, 5, 256)])
-def test_pack_kernels_bit_identical(shape):
-    all_bits = (1, 2, 3, 8, 16)
-    codes = {b: jnp.asarray(_rng(b + shape[0]).integers(0, 2 ** b, shape, dtype=np.uint32)) for b in all_bits}
+def test_pack_kernels_bit_identical():
+    cases = [(1, (127, 64)), (2, (1, 32)), (3, (3, 5, 256)), (8, (127, 64)), (16, (1, 32))]
+    codes = [jnp.asarray(_rng(b + shape[0]).integers(0, 2 ** b, shape, dtype=np.uint32)) for b, shape in cases]
 
     def f(codes):
-        return {b: (kernels.pack_codes(codes[b], b),
-                    kernels.unpack_codes(kernels.pack_codes(codes[b], b), b, shape[-1])) for b in all_bits}
+        return [(kernels.pack_codes(c, b), kernels.unpack_codes(kernels.pack_codes(c, b), b, shape[-1]))
+                for (b, shape), c in zip(cases, codes)]
 
     res = run_modes(f, codes)
-    for b in all_bits:
-        assert_bits_equal(res["interpret"][b][0], res["reference"][b][0], f"pack bits={b} {shape}")
-        assert_bits_equal(res["interpret"][b][1], codes[b], f"unpack(pack) bits={b} {shape}")
+    for (b, shape), c, got, ref in zip(cases, codes, res["interpret"], res["reference"]):
+        assert_bits_equal(got[0], ref[0], f"pack bits={b} {shape}")
+        assert_bits_equal(got[1], c, f"unpack(pack) bits={b} {shape}")
 
 
 def test_unaligned_blocks_use_the_reference():
@@ -292,30 +282,34 @@ CODECS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CODECS))
-def test_codecs_identical_in_every_mode(name):
-    comp = CODECS[name]()
+def test_codecs_identical_in_every_mode():
+    """Every codec's payload, encode_and_decode, decode and decode_sum, routed through the
+    dispatch, are the same bits in interpret and reference modes; decode_sum is the sum of
+    the decodes (each rounded, in order)."""
+    comps = {name: CODECS[name]() for name in ("quantize4_nearest", "terngrad", "qsgd", "sign")}
     n = 37 * 64
     x = jnp.asarray(3 * _rng(21).standard_normal(n, np.float32))
     with kernels.use_mode("reference"):
-        payloads = jax.jit(lambda x, k: jnp.stack([comp.encode(x * (r + 1), jax.random.fold_in(k, r))
-                                                   for r in range(3)]))(x, _key(22))
+        payloads = jax.jit(lambda x, k: {name: jnp.stack([c.encode(x * (r + 1), jax.random.fold_in(k, r))
+                                                          for r in range(3)]) for name, c in comps.items()})(x, _key(22))
+        decoded = jax.jit(lambda p: {name: jnp.stack([c.decode(p[name][r], n) for r in range(3)])
+                                     for name, c in comps.items()})(payloads)
 
     def f(x, key, payloads):
-        words, local = comp.encode_and_decode(x, key)
-        return words, local, comp.decode(words, n), comp.decode_sum(payloads, n)
+        out = {}
+        for name, comp in comps.items():
+            words, local = comp.encode_and_decode(x, key)
+            out[name] = (words, local, comp.decode(words, n), comp.decode_sum(payloads[name], n))
+        return out
 
     res = run_modes(f, x, _key(23), payloads)
-    for i, part in enumerate(("payload", "local", "decode", "decode_sum")):
-        assert_bits_equal(res["interpret"][i], res["reference"][i], f"{name} {part}")
-    # decode_sum is the sum of the decodes (each rounded, in order).
-    # decode_sum is the sum of the decodes, each rounded, in order (numpy: no fused multiply-add).
-    with kernels.use_mode("reference"):
-        decoded = np.asarray(jax.jit(lambda p: jnp.stack([comp.decode(p[r], n) for r in range(3)]))(payloads))
-    loop = np.zeros((n,), np.float32)
-    for r in range(3):
-        loop = loop + decoded[r]
-    assert_bits_equal(res["reference"][3], loop, f"{name} decode_sum vs decode loop")
+    for name in comps:
+        for i, part in enumerate(("payload", "local", "decode", "decode_sum")):
+            assert_bits_equal(res["interpret"][name][i], res["reference"][name][i], f"{name} {part}")
+        loop = np.zeros((n,), np.float32)
+        for r in range(3):
+            loop = loop + np.asarray(decoded[name][r])
+        assert_bits_equal(res["reference"][name][3], loop, f"{name} decode_sum vs decode loop")
 
 
 @pytest.mark.parametrize("name", ["quantize4_nearest", "quantize2", "sign"])
@@ -334,40 +328,44 @@ def test_encode_with_feedback(name):
     np.testing.assert_allclose(np.asarray(res["reference"][1]), np.asarray(g + e - dec), rtol=0, atol=1e-6)
 
 
-def _train(comp, reducer: str, mode: str, check_vma: bool):
-    task = testing.noniid_classification(8, examples_per_replica=32, dim=16, hidden=32, seed=SEED % 1000)
-    tx = optax.chain(cj.compressed_mean(comp, "data", reducer=reducer, min_compress_size=256), optax.sgd(0.1))
-    with kernels.use_mode(mode):
-        return testing.train(tx, task, 2, check_vma=check_vma)
-
-
-@pytest.mark.parametrize("name,reducer,check_vma", [
-    ("quantize4", "two_phase", True), ("sign", "allgather", False),
-])
-def test_training_bit_identical_across_modes(name, reducer, check_vma):
-    comp = cj.quantize(bits=4) if name == "quantize4" else cj.sign()
-    ref = _train(comp, reducer, "reference", check_vma)
-    ker = _train(comp, reducer, "interpret", check_vma)
+def test_training_bit_identical_across_modes():
+    """A short data-parallel run (8 replicas, two-phase reducer: fused encode, decode of
+    received chunks, re-encode, all-gather) gives the same bits with kernels and without."""
+    task = testing.noniid_classification(8, examples_per_replica=16, dim=8, hidden=16, seed=SEED % 1000)
+    runs = {}
+    for mode in ("reference", "interpret"):
+        tx = optax.chain(cj.compressed_mean(cj.quantize(bits=4), "data", reducer="two_phase", min_compress_size=64),
+                         optax.sgd(0.1))
+        with kernels.use_mode(mode):
+            runs[mode] = testing.train(tx, task, 2, check_vma=False)
+    ker, ref = runs["interpret"], runs["reference"]
     assert ker.replicas_identical and ref.replicas_identical
     for a, b in zip(jax.tree_util.tree_leaves(ker.replica_params), jax.tree_util.tree_leaves(ref.replica_params)):
-        assert_bits_equal(a, b, f"{name}/{reducer} params after training")
+        assert_bits_equal(a, b, "params after training")
     assert_bits_equal(ker.losses.astype(np.float32), ref.losses.astype(np.float32), "losses")
+    assert ker.losses[-1] < task.global_loss(task.params)
 
 
-def test_kernel_inside_shard_map_with_vma_checks():
-    """Under shard_map(check_vma=True) the interpret-mode kernel gets varying inputs."""
+def test_kernels_inside_shard_map():
+    """Under shard_map(check_vma=False) the interpret-mode kernel runs on each replica's
+    shard; under check_vma=True inputs that vary over the axis take the reference (the
+    interpreter cannot type the kernel body's constants), invariant ones the kernel."""
     mesh = _compat.make_mesh((8,), ("data",))
     x, u, e = _blocks(8 * 4 * 64, 64, 41)
 
     def f(x, u, e):
-        return kernels.quantize_blocks(x, bits=8, uniforms=u, residual=e, output="residual")
+        rows, res = kernels.quantize_blocks(x, bits=8, uniforms=u, residual=e, output="residual")
+        gathered = _compat.all_gather_invariant(rows, "data", tiled=True)  # invariant input
+        return rows, res, kernels.decode_rows(gathered, bits=8, block_size=64, offset=127, divisor=127)
 
-    for check_vma in (True, False):
-        sm = _compat.shard_map(f, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=(P("data"),) * 2,
+    for check_vma, kernels_seen in ((False, 2), (True, 1)):
+        sm = _compat.shard_map(f, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=(P("data"), P("data"), P()),
                                check_vma=check_vma)
+        with kernels.use_mode("interpret"):
+            assert str(jax.make_jaxpr(sm)(x, u, e)).count("pallas_call[") == kernels_seen
         res = run_modes(sm, x, u, e)
-        assert_bits_equal(res["interpret"][0], res["reference"][0], f"rows check_vma={check_vma}")
-        assert_bits_equal(res["interpret"][1], res["reference"][1], f"residual check_vma={check_vma}")
+        for i in range(3):
+            assert_bits_equal(res["interpret"][i], res["reference"][i], f"output {i} check_vma={check_vma}")
 
 
 # --------------------------------------------------------------------------- lowering
@@ -399,6 +397,23 @@ def test_kernels_lower_for_accelerators(platform, marker):
                     continue  # no GPU pack kernel: the reference runs there
                 text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
                 assert marker in text, f"{name} (nb={nb}) did not lower to a {platform} kernel"
+
+
+@pytest.mark.parametrize("platform,marker", [("tpu", "tpu_custom_call"), ("cuda", "mosaic_gpu")])
+def test_kernels_lower_inside_shard_map_with_vma_checks(platform, marker):
+    """Compiled kernels take varying inputs under shard_map(check_vma=True): their output
+    types carry the manual axis."""
+    mesh = jax.sharding.AbstractMesh((8,), ("data",))
+    x = jnp.zeros((8 * 64, 256))
+
+    def f(x):
+        rows, res = kernels.quantize_blocks(x, bits=4, residual=x, output="residual")
+        return rows, res, kernels.decode_sum(rows[None], bits=4, block_size=256, offset=7, divisor=7)
+
+    sm = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=True)
+    with kernels.use_mode("pallas"):
+        text = jax.jit(sm).trace(x).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(marker) >= 2
 
 
 def test_pallas_mode_on_cpu_fails_clearly():

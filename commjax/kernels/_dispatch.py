@@ -32,10 +32,13 @@ Two things JAX does not do with a ``pallas_call`` and that callers must know:
   differentiates through ``Compressor.roundtrip`` must use ``reference`` mode;
 * Pallas interpret mode evaluates the kernel body with the plain JAX interpreter,
   which under ``shard_map(check_vma=True)`` rejects the body's constants (they are not
-  typed as varying over the manual axes). For inputs that carry manual-axis types the
-  dispatch runs the kernel under the TPU interpreter (``pltpu.InterpretParams``), which
-  evaluates the body outside the traced program, and gives the outputs the inputs'
-  manual-axis type; the bits are the same.
+  typed as varying over the manual axes), even for a copy kernel. The TPU interpreter
+  (``pltpu.InterpretParams``) accepts them but runs the body in host callbacks, which
+  deadlocked the 8-device CPU collectives of a training step. So in ``interpret`` mode
+  a kernel whose inputs *vary* over a manual axis runs the reference instead (same
+  bits); invariant inputs (all-gathered payloads) and ``check_vma=False`` run the
+  kernel. Compiled kernels (``auto``/``pallas`` on TPU/GPU) run under both settings:
+  their outputs are typed as varying where their inputs vary (:func:`vary_like`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from jax import lax
 
 from commjax import _compat
 
-__all__ = ["MODES", "ENV_VAR", "get_mode", "set_mode", "use_mode", "dispatch", "out_type", "fence"]
+__all__ = ["MODES", "ENV_VAR", "get_mode", "set_mode", "use_mode", "dispatch", "out_type", "vary_like", "fence"]
 
 MODES = ("auto", "pallas", "interpret", "reference")
 ENV_VAR = "COMMJAX_KERNELS"
@@ -110,24 +113,21 @@ def _manual_axes(args: Sequence[Any]) -> frozenset:
     return out
 
 
-def out_type(like: Optional[jax.Array], shape: Sequence[int], dtype: Any) -> Any:
-    """Output type of a kernel whose inputs look like ``like``.
+def out_type(shape: Sequence[int], dtype: Any) -> Any:
+    """A ``pallas_call`` output type that is accepted inside and outside ``shard_map``.
 
-    Inside ``shard_map(check_vma=True)`` a ``pallas_call`` output must carry a manual-axis
-    type; the input's own abstract type, with the new shape and dtype and a replicated
-    spec, carries the right one whatever this JAX version calls it. Elsewhere it is a
-    plain ``ShapeDtypeStruct``.
+    Under ``shard_map(check_vma=True)`` a ``ShapeDtypeStruct`` output must name its
+    manual-axis type (a keyword whose name differs between JAX versions); a plain
+    ``ShapedArray`` is taken as is, as an invariant value. Kernel wrappers then mark their
+    outputs as varying where their inputs vary (:func:`vary_like`).
     """
-    shape = tuple(int(s) for s in shape)
-    if like is not None:
-        aval = jax.typeof(like)
-        sharding = getattr(aval, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and hasattr(aval, "update"):
-            return aval.update(
-                shape=shape, dtype=jnp.dtype(dtype), weak_type=False,
-                sharding=jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()),
-            )
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    return jax.core.ShapedArray(tuple(int(s) for s in shape), jnp.dtype(dtype))
+
+
+def vary_like(outs: Any, inputs: Sequence[Any]) -> Any:
+    """``outs`` typed as varying over every manual axis some input varies over."""
+    axes = _manual_axes(inputs)
+    return _compat.vary(outs, tuple(sorted(axes))) if axes else outs
 
 
 def fence(product: jax.Array, factor: jax.Array) -> jax.Array:
@@ -149,11 +149,11 @@ def fence(product: jax.Array, factor: jax.Array) -> jax.Array:
 
 
 def interpret_flag(args: Sequence[Any]) -> Any:
-    """What to pass as ``pallas_call(interpret=...)`` in interpret mode for these inputs."""
+    """What to pass as ``pallas_call(interpret=...)`` in interpret mode for these inputs,
+    or ``None`` where interpret mode cannot run them (inputs varying over a manual axis
+    under ``check_vma=True``: see the module docstring)."""
     if _manual_axes(args):
-        from jax.experimental.pallas import tpu as pltpu
-
-        return pltpu.InterpretParams()
+        return None
     return True
 
 
@@ -180,9 +180,10 @@ def dispatch(
     if mode == "reference":
         return reference(*args)
     if mode == "interpret":
-        if interpret is None:
+        flag = interpret_flag(args)
+        if interpret is None or flag is None:
             return reference(*args)
-        return interpret(*args, interpret=interpret_flag(args))
+        return interpret(*args, interpret=flag)
     tpu_fn = tpu if tpu is not None else reference
     gpu_fn = gpu if gpu is not None else reference
     if tpu is None and gpu is None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 from jax.experimental import pallas as pl
 
-from commjax.kernels._dispatch import out_type
+from commjax.kernels._dispatch import out_type, vary_like
 
 __all__ = ["tile_rows", "row_call", "TPU_TILE_ELEMENTS"]
 
@@ -64,22 +64,20 @@ def row_call(
     grid = (pl.cdiv(rows, tile),)
     in_specs = [pl.BlockSpec((tile, a.shape[1]), lambda i: (i, 0)) for a in inputs]
     out_specs = [pl.BlockSpec((tile, c), lambda i: (i, 0)) for c, _ in out_cols]
-    like = inputs[0]
-    out_shape = [out_type(like, (rows, c), dt) for c, dt in out_cols]
+    out_shape = [out_type((rows, c), dt) for c, dt in out_cols]
     kwargs: dict[str, Any] = {}
     if not interpret:
         from jax.experimental.pallas import tpu as pltpu
 
         kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel",))
-    return tuple(
-        pl.pallas_call(
-            body,
-            out_shape=out_shape,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            interpret=interpret,
-            name=name,
-            **kwargs,
-        )(*inputs)
-    )
+    outs = pl.pallas_call(
+        body,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        name=name,
+        **kwargs,
+    )(*inputs)
+    return tuple(vary_like(outs, inputs))

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from commjax import packing
 from commjax.kernels._bits import unpack_tile
-from commjax.kernels._dispatch import dispatch, fence, out_type
+from commjax.kernels._dispatch import dispatch, fence, out_type, vary_like
 from commjax.kernels._tiling import row_call, tile_rows
 
 __all__ = ["decode_rows", "decode_sum", "decode_reference", "decode_sum_reference"]
@@ -124,9 +124,10 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
         from jax.experimental.pallas import tpu as pltpu
 
         kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
-    return pl.pallas_call(
+    steps = row_steps(rows, divisor)
+    out = pl.pallas_call(
         body,
-        out_shape=out_type(rows, (n, block), jnp.float32),
+        out_shape=out_type((n, block), jnp.float32),
         grid=(pl.cdiv(n, t), replicas),
         in_specs=[pl.BlockSpec((None, t, r), lambda i, k: (k, i, 0)),
                   pl.BlockSpec((None, t, 1), lambda i, k: (k, i, 0))],
@@ -134,7 +135,8 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
         interpret=interpret,
         name=f"commjax_decode_sum{opts['bits']}",
         **kwargs,
-    )(rows, row_steps(rows, divisor))
+    )(rows, steps)
+    return vary_like(out, (rows, steps))
 
 
 def _options(bits: int, block_size: int, offset: int, step: int, divisor: Optional[int]) -> dict:

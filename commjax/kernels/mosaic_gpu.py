@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax.kernels._dispatch import fence
+from commjax.kernels._dispatch import fence, vary_like
 
 __all__ = ["TILE", "quantize_kernel", "sign_kernel", "decode_kernel", "emulate", "supported"]
 
@@ -172,8 +172,9 @@ def _run(body, *, tiles: int, inputs, in_blocks, out_types, out_blocks, name: st
             out_specs=[spec(i) for spec in out_blocks],
         )(*gm_in, *gm_out)
 
-    return plgpu.kernel(kernel, out_type=tuple(out_types), grid=(tiles,), grid_names=("tile",),
+    outs = plgpu.kernel(kernel, out_type=tuple(out_types), grid=(tiles,), grid_names=("tile",),
                         kernel_name=name)(*inputs)
+    return vary_like(outs, inputs)
 
 
 def _word_block(i):
@@ -392,6 +393,7 @@ def _decode(rows, *, accumulate, bits, block_size, offset, step, divisor):
         out = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((m, 32), jnp.float32),
                            grid=(tiles,), grid_names=("tile",),
                            kernel_name=f"commjax_decode{bits}_mgpu")(planes, q)
+        out = vary_like(out, (planes, q))
     out = out.reshape(nb, block_size)
     if main < nb and not _EMULATE:
         tail_rows = rows[:, main:]
