@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax.layout import per_replica
-from commjax.metrics import compressed_mean_states, step_metrics
+from commjax.metrics import compressed_mean_states, local_metrics, replica_metrics, step_metrics
 
 N = 4
 AX = "data"
@@ -256,6 +256,15 @@ def test_apply_if_finite_after_compressed_mean_skips_nan_step_everywhere(mesh):
     assert float(np.max(np.asarray(cm_state(state).metrics["nonfinite"]))) == 0.0
 
 
+def test_apply_if_finite_around_the_exchange_is_refused_at_trace_time(mesh):
+    """Wrapping compressed_mean *inside* apply_if_finite makes the skip decision per
+    replica (before the exchange), so replicas would take different branches around a
+    collective; under check_vma=True JAX refuses it while tracing (no hang)."""
+    tx = optax.apply_if_finite(optax.chain(cm(cj.quantize(bits=4)), optax.adam(1e-2)), 3)
+    with pytest.raises(TypeError, match="cond branches"):
+        run(tx, mesh, 1)
+
+
 # ---------------------------------------------------------------- partition / masked
 
 COMPRESSED = ("w0",)  # only w0 is compressed; w1 (also >= 1024 elements) is exempt
@@ -317,6 +326,43 @@ def test_masked_pair_equals_partition(mesh, partition_run):
     res_m = [s.residual for _, s in compressed_mean_states(sm) if s.residual.size]
     res_p = [s.residual for _, s in compressed_mean_states(sp) if s.residual.size]
     np.testing.assert_array_equal(np.asarray(res_m[0]), np.asarray(res_p[0]))
+
+
+def test_step_metrics_reads_every_compressed_mean_state(partition_run):
+    """commjax.metrics on a partition state (two compressed means): residual norms from
+    the per-replica residuals, bytes from the plans, no collective."""
+    _, state, _ = partition_run
+    params = init_params()
+    plans = [cj.communication_plan(cj.quantize(bits=4), {k: v for k, v in params.items() if k in COMPRESSED}, N),
+             cj.communication_plan(cj.identity(), {k: v for k, v in params.items() if k not in COMPRESSED}, N)]
+    found = compressed_mean_states(state)
+    assert ["compress" in p for p, _ in found] == [True, False], [p for p, _ in found]
+    m = step_metrics(state, plans)
+    res = np.asarray(found[0][1].residual, np.float64).reshape(N, -1)
+    norms = np.linalg.norm(res, axis=1)
+    assert len(set(np.round(norms, 6))) > 1  # replicas really hold different residuals
+    assert m["residual_norm"] == pytest.approx(np.sqrt(np.mean(norms ** 2)), rel=1e-5)
+    assert m["residual_norm_max"] == pytest.approx(norms.max(), rel=1e-5)
+    assert m["exchanges"] == 2 and m["nonfinite"] == 0.0
+    sent = plans[0].bytes_per_step + plans[1].bytes_per_step
+    assert m["bytes_per_step"] == sent and m["bytes_sent"] == 2 * sent
+    assert m["compression_ratio"] == pytest.approx((plans[0].baseline_bytes + plans[1].baseline_bytes) / sent)
+    per = replica_metrics(state)
+    np.testing.assert_allclose(per[0]["residual_norm"], norms, rtol=1e-5)
+    assert set(local_metrics(state)) == {f"{p}/{k}" for p, s in found for k in s.metrics}
+    with pytest.raises(ValueError, match="2 compressed-mean state"):
+        step_metrics(state, plans[:1])
+    with pytest.raises(ValueError, match="no CompressedMeanState"):
+        step_metrics(optax.adam(1e-3).init(params))
+    # The same state in the pmap layout (a leading device axis on every leaf) reads the same.
+    def to_pmap(a, per_rep):
+        a = np.asarray(a)
+        if per_rep:
+            return a.reshape((N, a.shape[0] // N) + a.shape[1:])
+        return np.broadcast_to(a, (N,) + a.shape)
+
+    pm = step_metrics(jax.tree_util.tree_map(to_pmap, state, cj.per_replica_mask(state)), plans)
+    assert pm["residual_norm"] == pytest.approx(m["residual_norm"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------ nnx.Optimizer
