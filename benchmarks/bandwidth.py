@@ -623,35 +623,62 @@ def table(rows: list[dict], rates: list[str]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], rates: list[str], path: Path, title: str) -> None:
+def plot(rows: list[dict], rates: list[str], path: Path, title: str,
+         goodput: Optional[dict] = None) -> None:
+    """Step time against link rate, one line per method; the unshaped links are drawn at
+    their measured TCP goodput (open markers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    shaped = [r for r in rates if netns.parse_rate(r) is not None]
-    xs = [netns.parse_rate(r) / 1e9 for r in shaped]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for r in rows:
-        if not r.get("available"):
-            continue
-        ys = [r["step_s"].get(rate) for rate in shaped]
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    xs = {}
+    for rate in rates:
+        bps = netns.parse_rate(rate)
+        if bps is None:
+            if goodput and goodput.get("none"):
+                xs[rate] = goodput["none"] / 1e9
+        else:
+            xs[rate] = bps / 1e9
+    order = sorted(xs, key=lambda r: xs[r])
+    fig, ax = plt.subplots(figsize=(9, 6))
+    colors = plt.get_cmap("tab20").colors
+    for k, r in enumerate([r for r in rows if r.get("available")]):
+        pts = [(xs[rate], r["step_s"][rate], rate) for rate in order if rate in r["step_s"]]
         if not pts:
             continue
-        style = "-o" if r["framework"] == "commjax" else "--s"
-        label = r["method"] if r["framework"] == "commjax" else f"torch {r['method']}"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4)
+        torch_row = r["framework"] != "commjax"
+        color = colors[(2 * k) % 20 if k < 10 else (2 * k + 1) % 20]
+        label = f"torch {r['method']}" if torch_row else r["method"]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if torch_row else "-",
+                color=color, label=label, marker="s" if torch_row else "o", markersize=4)
+        for x, y, rate in pts:
+            if netns.parse_rate(rate) is None:
+                ax.plot([x], [y], marker="o", markersize=8, mfc="none", color=color)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("link rate per host, each direction (Gbit/s, tc tbf)")
-    ax.set_ylabel("median step time (s)")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("link rate per host and direction, Gbit/s (tc tbf; open circles: unshaped "
+                  "veth, at its measured TCP goodput)", fontsize=8)
+    ax.set_ylabel("step time, s (median; DiLoCo: mean over a window with one sync)", fontsize=8)
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _title(result: dict) -> str:
+    m, c = result["machine"], result["config"]
+    return (f"{result['conditions']['processes']} processes x 1 CPU device, "
+            f"{c['params'] / 1e6:.1f}M-param MLP, batch {c['model']['batch']}/process, "
+            f"{result['date'][:10]}, {m.get('cpu', '?')} ({m.get('cores')} cores, load "
+            f"{result['conditions']['loadavg_before'][0]:.0f}-"
+            f"{result['conditions']['loadavg_after'][0]:.0f})")
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -776,10 +803,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     out_json = Path(args.out)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-    title = (f"{args.processes} processes x 1 CPU device, {num_params(cfg) / 1e6:.1f}M-param MLP, "
-             f"{started:%Y-%m-%d}, {result['machine'].get('cpu', '')} ({os.cpu_count()} cores)")
     try:
-        plot(rows, rates, out_json.with_suffix(".png"), title)
+        plot(rows, rates, out_json.with_suffix(".png"), _title(result), goodput)
     except ImportError:
         print("matplotlib missing: no PNG written")
     log(f"wrote {out_json} and {out_json.with_suffix('.png').name} ({wall / 60:.1f} min)")
@@ -805,7 +830,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--job-timeout", type=float, default=1800.0, help="seconds per job")
     p.add_argument("--note", default="", help="free text stored with the results")
     p.add_argument("--out", default=str(RESULTS_DIR / "bandwidth.json"))
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the PNG from the JSON at --out (no root needed)")
     args = p.parse_args(argv)
+    if args.replot:
+        result = json.loads(Path(args.out).read_text())
+        plot(result["rows"], result["config"]["rates"], Path(args.out).with_suffix(".png"),
+             _title(result), result["conditions"].get("tcp_goodput_bps"))
+        return 0
     if args.worker == "jax":
         jax_worker(args)
         return 0
