@@ -159,7 +159,9 @@ def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any) 
     """
     from commjax import _compat
 
-    structure = jax.eval_shape(tx.init, params)
+    # The structure (not the sizes) decides the specs; trace init where the axes are bound.
+    probe = _compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
+    structure = jax.eval_shape(probe, params)
     specs = state_specs(structure, axis_name)
     fn = _compat.shard_map(
         tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs, check_vma=False

@@ -108,6 +108,13 @@ def _num_replicas_now(cfg: ExchangeConfig) -> int:
         return _compat.axis_size(cfg.axis_name)
     if cfg.num_replicas is not None:
         return cfg.num_replicas
+    if cfg.inner_axis_name is not None:
+        raise ValueError(
+            "compressed_mean: with `inner_axis_name`, init() outside shard_map cannot tell how "
+            f"many replicas the outer axis {cfg.axis_name!r} has. Pass num_replicas=<size of "
+            f"{cfg.axis_name!r}> to compressed_mean, or initialise with "
+            "cj.init_sharded(tx, params, mesh, axis_name)."
+        )
     return jax.device_count()
 
 

@@ -330,7 +330,9 @@ def test_hierarchical_inner_axis_exact_then_outer_compressed():
     tx = cj.compressed_mean(cj.quantize(8, stochastic=False), "dcn", inner_axis_name="ici",
                             min_compress_size=64)
     params = jnp.zeros((32, 32))
-    state = cj.shard_state(tx.init(params), mesh, "dcn")
+    with pytest.raises(ValueError, match="num_replicas"):
+        tx.init(params)  # the outer axis size is unknowable outside shard_map
+    state = cj.init_sharded(tx, params, mesh, "dcn")
     specs = cj.state_specs(state, "dcn")
     g = jax.random.normal(jax.random.PRNGKey(0), (8, 32, 32))
 
