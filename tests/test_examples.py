@@ -190,17 +190,23 @@ def test_linen_mlp(tmp_path, cache_dir):
 
 
 @pytest.mark.multiprocess
-def test_multiprocess_example_under_the_launcher(tmp_path, cache_dir):
-    proc = run_example(["-m", "commjax.launch", "--processes", "2", "--devices-per-process", "2",
-                        "--timeout", "240", EXAMPLES / "04_multiprocess.py", *SMALL_LM, "--steps", "12",
-                        "--no-progress", "--out", tmp_path], cache_dir, timeout=300)
+def test_multiprocess_example_under_the_launcher_with_resume(tmp_path, cache_dir):
+    """2 processes x 2 devices: 6 steps and a checkpoint (every process writes its own
+    shards), then a new job resumes to 12. Both processes end with the same parameters."""
+    launch = ["-m", "commjax.launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "240",
+              EXAMPLES / "04_multiprocess.py", *SMALL_LM, "--no-progress", "--checkpoint-dir", tmp_path / "ckpt"]
+    run_example([*launch, "--steps", "6", "--out", tmp_path / "a"], cache_dir, timeout=300)
+    first = json.loads((tmp_path / "a" / "multiprocess.json").read_text())["runs"][0]
+    proc = run_example([*launch, "--steps", "12", "--resume", "--out", tmp_path / "b"], cache_dir, timeout=300)
+    assert "resumed from step 6" in proc.stdout
     digests = [line.split("sha256 ")[1].split()[0] for line in proc.stdout.splitlines()
                if "final parameters sha256" in line]
     assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-2000:]
-    r = json.loads((tmp_path / "multiprocess.json").read_text())
+    r = json.loads((tmp_path / "b" / "multiprocess.json").read_text())
     assert r["processes"] == 2 and r["replicas"] == 4
     run = r["runs"][0]
-    assert decreased(run["losses"]) and run["replicas_in_sync"] is True
+    assert run["steps"] == list(range(7, 13))
+    assert decreased(first["losses"] + run["losses"]) and run["replicas_in_sync"] is True
     assert run["hlo_bytes_per_step"] == pytest.approx(run["bytes_per_step"], rel=1e-6)
 
 
