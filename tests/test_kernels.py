@@ -312,20 +312,25 @@ def test_codecs_identical_in_every_mode():
         assert_bits_equal(res["reference"][name][3], loop, f"{name} decode_sum vs decode loop")
 
 
-@pytest.mark.parametrize("name", ["quantize4_nearest", "quantize2", "sign"])
-def test_encode_with_feedback(name):
-    comp = CODECS[name]()
+def test_encode_with_feedback():
+    """The fused error-feedback path: same bits in both modes, the payload of ``g + e``,
+    and the residual ``g + e - decode(payload)``."""
+    names = ("quantize4_nearest", "quantize2", "sign")
+    comps = {name: CODECS[name]() for name in names}
     n = 20 * 64
     g = jnp.asarray(_rng(31).standard_normal(n, np.float32))
     e = jnp.asarray((0.3 * _rng(32).standard_normal(n)).astype(np.float32))
-    res = run_modes(lambda g, e, k: comp.encode_with_feedback(g, e, k), g, e, _key(33))
-    assert_bits_equal(res["interpret"][0], res["reference"][0], f"{name} fused payload")
-    assert_bits_equal(res["interpret"][1], res["reference"][1], f"{name} fused residual")
+    res = run_modes(lambda g, e, k: {name: c.encode_with_feedback(g, e, k) for name, c in comps.items()},
+                    g, e, _key(33))
     with kernels.use_mode("reference"):
-        words = jax.jit(lambda y, k: comp.encode(y, k))(g + e, _key(33))
-        dec = jax.jit(lambda w: comp.decode(w, n))(words)
-    assert_bits_equal(res["reference"][0], words, f"{name} fused payload vs encode(g + e)")
-    np.testing.assert_allclose(np.asarray(res["reference"][1]), np.asarray(g + e - dec), rtol=0, atol=1e-6)
+        words = jax.jit(lambda y, k: {name: c.encode(y, k) for name, c in comps.items()})(g + e, _key(33))
+        dec = jax.jit(lambda w: {name: c.decode(w[name], n) for name, c in comps.items()})(words)
+    for name in names:
+        assert_bits_equal(res["interpret"][name][0], res["reference"][name][0], f"{name} fused payload")
+        assert_bits_equal(res["interpret"][name][1], res["reference"][name][1], f"{name} fused residual")
+        assert_bits_equal(res["reference"][name][0], words[name], f"{name} fused payload vs encode(g + e)")
+        np.testing.assert_allclose(np.asarray(res["reference"][name][1]), np.asarray(g + e - dec[name]),
+                                   rtol=0, atol=1e-6)
 
 
 def test_training_bit_identical_across_modes():
@@ -422,7 +427,7 @@ def test_pallas_mode_on_cpu_fails_clearly():
             jax.jit(lambda x: kernels.sign_blocks(x, output=None)[0])(jnp.ones((4, 64)))
 
 
-@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize("block", [256])
 def test_mosaic_gpu_algorithm_emulated(block):
     """The GPU kernels' word-row algorithm (scales repeated per word, planes as row
     sums, interleaving by XLA, floor by truncation) run with jnp on CPU: same bits."""
