@@ -29,7 +29,7 @@ in the state (e.g. one per ``optax.partition`` group)::
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import jax
 import numpy as np

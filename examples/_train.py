@@ -3,7 +3,7 @@ data-parallel train step, checkpoints, the progress bar, the summary table and t
 
 The data-parallel pattern (the part worth reading)::
 
-    mesh = cj_compat.make_mesh((n,), ("data",))          # one replica per device
+    mesh = _compat.make_mesh((n,), ("data",))          # one replica per device
     opt_state = cj.shard_state(tx.init(params), mesh, "data")
     specs = cj.state_specs(opt_state, "data")          # P("data") per-replica, P() else
 
@@ -12,9 +12,9 @@ The data-parallel pattern (the part worth reading)::
         updates, opt_state = tx.update(grads, opt_state, params)   # compressed mean
         return optax.apply_updates(params, updates), opt_state
 
-    step = jax.jit(jax.shard_map(step, mesh=mesh,
-                                 in_specs=(P(), specs, P("data")),  # params replicated,
-                                 out_specs=(P(), specs)))           # batch split
+    step = jax.jit(_compat.shard_map(step, mesh=mesh,
+                                     in_specs=(P(), specs, P("data")),  # params replicated,
+                                     out_specs=(P(), specs)))           # batch split
 
 ``cj.vary`` matters: under ``shard_map(check_vma=True)`` JAX would otherwise sum the
 gradient of the replicated parameters over the devices itself, before compression.

@@ -27,7 +27,7 @@ RUNS = (
     ("exact fp32 mean", "identity", {}),
     ("bf16 cast", "cast", {"dtype": "bfloat16"}),
     ("8-bit quantize", "quantize", {"bits": 8, "rounding": "nearest"}),
-    ("4-bit quantize", "quantize", {"bits": 4, "rounding": "nearest"}),
+    ("4-bit quantize", "quantize", {"bits": 4, "rounding": "nearest", "block_size": 128}),
     ("1-bit sign", "sign", {}),
     ("PowerSGD rank 4", "powersgd", {"rank": 4}),
 )
@@ -36,7 +36,7 @@ RUNS = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=_cli.positive_int, default=300, help="steps per run (default 300)")
+    p.add_argument("--steps", type=_cli.positive_int, default=200, help="steps per run (default 200)")
     p.add_argument("--devices", type=_cli.positive_int, default=8,
                    help="simulated CPU devices, one replica each (default 8)")
     p.add_argument("--batch-size", type=_cli.positive_int, default=4,
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_cli.positive_int, default=64, help="context length (default 64)")
     p.add_argument("--d-model", type=_cli.positive_int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=_cli.positive_int, default=2, help="Transformer blocks (default 2)")
-    p.add_argument("--lr", type=_cli.positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    p.add_argument("--lr", type=_cli.positive_float, default=3e-3,
+                   help="peak Adam learning rate (warm-up, then cosine decay; default 3e-3)")
     p.add_argument("--seed", type=_cli.nonneg_int, default=0, help="seed (default 0)")
     p.add_argument("--only", nargs="+", default=None, metavar="COMPRESSOR",
                    choices=sorted({c for _, c, _ in RUNS}),
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
+    import optax
 
     import _charlm
     import _train
@@ -80,8 +81,15 @@ def main(argv=None) -> int:
                                           seq_len=args.seq_len, seed=args.seed)
     print(f"commjax {cj.__version__} demo: char Transformer ({_charlm.num_params(params):,} "
           f"parameters) on {n} replicas x {args.batch_size} windows of {args.seq_len} characters "
-          f"of Python's standard library; Adam lr {args.lr}, {args.steps} steps per run.")
+          f"of Python's standard library; Adam (peak lr {args.lr}, cosine decay), {args.steps} steps "
+          "per run.")
 
+    # Linear warm-up, then cosine decay to a tenth: the final parameters settle, so the
+    # gap between runs measures the exchange rather than where the last steps happened
+    # to land.
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=min(20, args.steps // 5 + 1), decay_steps=args.steps,
+        end_value=args.lr / 10)
     runs = []
     for label, comp, opts in RUNS:
         if args.only and comp != "identity" and comp not in args.only:
@@ -89,19 +97,20 @@ def main(argv=None) -> int:
         if comp in ("powersgd", "top_k", "random_k") and _train.find(comp) is None:
             print(f"  ({label}: cj.{comp} is not in this commjax version; skipped)")
             continue
-        ns = argparse.Namespace(compressor=comp, bits=opts.get("bits", 4), block_size=256,
+        ns = argparse.Namespace(compressor=comp, bits=opts.get("bits", 4),
+                                block_size=opts.get("block_size", 256),
                                 levels=16, dtype=opts.get("dtype", "bfloat16"),
                                 rank=opts.get("rank", 4), ratio=0.01, reducer="auto",
                                 no_error_feedback=False, optimizer="adam", lr=args.lr,
                                 sync_every=8, rounding=opts.get("rounding", "stochastic"))
-        setup = _train.make_setup(ns, params, n)
+        setup = _train.make_setup(ns, params, n, lr=schedule)
         setup.label = label
         runs.append(setup)
 
     def loss_fn(p, batch):
         return _charlm.loss_fn(graphdef, p, batch)
 
-    held_out = jnp.asarray(corpus.eval_batch(64, args.seq_len))
+    held_out = jnp.asarray(corpus.eval_batch(256, args.seq_len))
     eval_loss = jax.jit(lambda p: _charlm.loss_fn(graphdef, p, held_out))
 
     def batch_fn(step: int):
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
     results = []
     for setup, trainer in zip(runs, trainers):
         results.append(_train.run(trainer, setup, batch_fn, args.steps, eval_fn=eval_loss,
-                                  eval_every=max(1, args.steps // 5),
+                                  eval_every=max(1, args.steps // 4),
                                   progress=not args.no_progress, desc=f"{setup.label:>16}"))
 
     exact = results[0]

@@ -173,8 +173,8 @@ def test_demo_claim_holds_at_the_demo_size():
     defaults = demo.build_parser().parse_args([])
     _, params = _charlm.make_model(d_model=defaults.d_model, layers=defaults.layers, heads=4,
                                    seq_len=defaults.seq_len, seed=0)
-    plan = cj.communication_plan(cj.quantize(bits=4, stochastic=opts.get("rounding") != "nearest"),
-                                 params, 8)
+    plan = cj.communication_plan(cj.quantize(bits=4, block_size=opts.get("block_size", 256),
+                                             stochastic=opts.get("rounding") != "nearest"), params, 8)
     assert plan.compression_ratio >= 7.0, plan.summary()
     defaults = demo.build_parser().parse_args([])
     assert (defaults.d_model, defaults.layers, defaults.seq_len, defaults.devices) == (64, 2, 64, 8)
