@@ -329,8 +329,9 @@ def jax_worker(args: argparse.Namespace) -> None:
                 p = jax.tree_util.tree_map(lambda a: a[None], p)
             return p, s
 
-        out_sh = (NamedSharding(mesh, pspec),
-                  jax.tree_util.tree_map(lambda sp: NamedSharding(mesh, sp), specs))
+        # Outputs placed as the inputs are (empty per-replica leaves may be replicated),
+        # so that the compiled step takes its own output as its next input.
+        out_sh = (NamedSharding(mesh, pspec), jax.tree_util.tree_map(lambda a: a.sharding, state))
         return jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(pspec, specs, P(AXIS), P(AXIS)),
                                          out_specs=(pspec, specs)),
                        out_shardings=out_sh, donate_argnums=(0, 1))
@@ -849,4 +850,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the namespaces and workers are gone already (finally blocks)
+        print("\ninterrupted: workers stopped, network namespaces removed", file=sys.stderr)
+        sys.exit(130)

@@ -157,9 +157,9 @@ def run_one(ctx: Any, task: Any, factory: Callable[[], Any], steps: int) -> dict
     tx = make_tx(comp)
     opt_state = cj.shard_state(tx.init(task.params), ctx.mesh, AXIS)
     specs = cj.state_specs(opt_state, AXIS)
-    # Explicit output shardings: XLA may otherwise give an empty per-replica leaf a
-    # replicated sharding, which the compiled step would refuse as its next input.
-    state_sh = jax.tree_util.tree_map(lambda s: NamedSharding(ctx.mesh, s), specs)
+    # Outputs placed exactly as the inputs were, so the compiled step accepts its own
+    # output as the next input (empty per-replica leaves may be placed replicated).
+    state_sh = jax.tree_util.tree_map(lambda a: a.sharding, opt_state)
     step = jax.jit(_compat.shard_map(
         step_fn(tx, task.loss), mesh=ctx.mesh,
         in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)), out_specs=(P(AXIS), specs),
