@@ -103,16 +103,23 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
     n = _mesh_axis_size(mesh, axis_name)
 
     def place(leaf: Any, marked: bool) -> Any:
-        leaf = jnp.asarray(leaf)
-        if marked and leaf.size == 0:
+        value = np.asarray(leaf)
+        if marked and value.size == 0:
             # jit hands empty outputs back replicated; placing them so avoids a recompile.
-            return jax.device_put(leaf, NamedSharding(mesh, P()))
+            marked = False
         if marked:
-            if leaf.ndim == 0:
+            if value.ndim == 0:
                 raise ValueError("per-replica state leaves need at least one dimension")
-            leaf = jnp.concatenate([leaf] * n, axis=0) if n > 1 else leaf
-            return jax.device_put(leaf, NamedSharding(mesh, P(axis_name)))
-        return jax.device_put(leaf, NamedSharding(mesh, P()))
+            shape = (value.shape[0] * n,) + value.shape[1:]
+            # Every shard starts as this process's local value. Building shards from a
+            # callback (not device_put of a host array) avoids a cross-process equality
+            # check of the whole tiled state when the mesh spans processes.
+            return jax.make_array_from_callback(
+                shape, NamedSharding(mesh, P(axis_name)), lambda idx: value
+            )
+        return jax.make_array_from_callback(
+            value.shape, NamedSharding(mesh, P()), lambda idx: value[idx]
+        )
 
     return _map_marked(place, state)
 

@@ -237,8 +237,12 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
             )
         res_parts = []
+        mean = res.mean
+        if axis is not None and n_rep == 1:
+            # An axis of size one: no reducer ran; a (free) psum types the mean replicated.
+            mean = _compat.psum(mean, axis)
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
-            m = res.mean[seg.offset:seg.offset + seg.size]
+            m = mean[seg.offset:seg.offset + seg.size]
             m = jnp.where(global_bad[k], jnp.nan, m)
             out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
             if cfg.error_feedback:
