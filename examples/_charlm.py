@@ -102,7 +102,8 @@ class CharTransformer(nnx.Module):
                  vocab: int = VOCAB, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab, d_model, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
-        self.blocks = nnx.List([Block(d_model, heads, rngs=rngs) for _ in range(layers)])
+        # nnx.List holds sub-modules in Flax 0.12+; earlier versions take a plain list.
+        self.blocks = getattr(nnx, "List", list)([Block(d_model, heads, rngs=rngs) for _ in range(layers)])
         self.ln = nnx.LayerNorm(d_model, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
