@@ -256,14 +256,7 @@ class DataParallel:
         self.per_replica_params = per_replica_params
         self._loss_fn = loss_fn
         self._place_batch = place_batch
-        opt_state = tx.init(params)
-        # Zero-size per-replica leaves (no residual without error feedback, no server
-        # residual outside the two-phase reducer) come back from shard_map replicated
-        # whatever out_specs say; placing them so from the start keeps the compiled step's
-        # input and output layouts equal (no recompilation on the second step).
-        self.opt_state = jax.tree_util.tree_map(
-            lambda a: jax.device_put(a, _replicated(mesh)) if a.size == 0 else a,
-            cj.shard_state(opt_state, mesh, AXIS))
+        self.opt_state = cj.shard_state(tx.init(params), mesh, AXIS)
         self._specs = cj.state_specs(self.opt_state, AXIS)
         if per_replica_params:
             stacked = jax.tree_util.tree_map(lambda p: jnp.stack([p] * self.n), params)

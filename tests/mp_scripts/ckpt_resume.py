@@ -167,11 +167,7 @@ class Case:
 
         mesh = _compat.make_mesh((N,), (AX,), devices=devices)
         if layout == "shard_map":
-            # Zero-size per-replica leaves come back from shard_map replicated whatever
-            # out_specs say; placing them so from the start keeps one compiled step.
-            state = jax.tree_util.tree_map(
-                lambda a: jax.device_put(a, NamedSharding(mesh, P())) if a.size == 0 else a,
-                cj.shard_state(tx.init(params), mesh, AX))
+            state = cj.shard_state(tx.init(params), mesh, AX)
             specs = cj.state_specs(state, AX)
 
             def sm(p, s, x, y):
