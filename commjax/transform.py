@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from commjax import _compat
+from commjax import _compat, bucket as flat_bucket
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
@@ -47,7 +47,8 @@ class CompressedMeanState(NamedTuple):
         from it (``fold_in(fold_in(key, count), axis_index)``), so it never needs to differ
         between replicas and is never split in the state.
       residual: per-replica worker error-feedback residual, the compressed bucket laid out
-        flat (``float32`` or ``residual_dtype``); shape ``[0]`` without error feedback.
+        flat (``float32`` or ``residual_dtype``); shape ``[0]`` without error feedback and
+        for a lossless compressor (the identity), whose residual would always be zero.
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
         chunk of the bucket; shape ``[0]`` for other reducers.
       compressor_state: replicated state of a compressor with its own exchange (PowerSGD's
@@ -157,7 +158,8 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             for l, r in zip(leaves, plan.routes)
         ]
     if state.residual.shape[0] not in (0, plan.compressed_size) or (
-        cfg.error_feedback and plan.compressed_size and state.residual.shape[0] == 0
+        cfg.error_feedback and not cfg.compressor.lossless and plan.compressed_size
+        and state.residual.shape[0] == 0
     ):
         raise ValueError(
             f"compressed_mean: the state's residual has {state.residual.shape[0]} elements but "
@@ -178,16 +180,22 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     out: list[Any] = list(leaves)
     exact_idx = [i for i, r in enumerate(plan.routes) if r == EXACT]
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
+    ef = cfg.error_feedback and not cfg.compressor.lossless
+    # A lossless linear payload (the fp32 identity) is the leaf itself: its leaves join the
+    # exact bucket's all-reduce as further operands of the same collective, uncopied.
+    direct = cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
 
     # Per-leaf local finiteness of the compressed leaves, shared through the exact bucket.
     local_ok = [jnp.all(jnp.isfinite(leaves[i])) for i in comp_idx]
     flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok] if cfg.check_finite else []
     exact_parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in exact_idx] + flags
+    direct_parts = [leaves[i].astype(jnp.float32) for i in comp_idx] if direct else []
     global_bad = [jnp.logical_not(ok) for ok in local_ok]
-    if exact_parts:
-        bucket = jnp.concatenate(exact_parts)
+    bucket = None
+    if exact_parts or direct_parts:
+        bucket = flat_bucket.concat(exact_parts) if exact_parts else jnp.zeros((0,), jnp.float32)
         if axis is not None:
-            bucket = _compat.psum(bucket, axis) / n_rep
+            bucket, *direct_parts = [v / n_rep for v in _compat.psum([bucket] + direct_parts, axis)]
         pos = 0
         for i in exact_idx:
             size = int(np.prod(plan.shapes[i])) if plan.shapes[i] else 1
@@ -201,27 +209,32 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     new_server = state.server_residual
     new_comp_state = state.compressor_state
     comp_metrics: dict = {}
-    if comp_idx:
+    if comp_idx and direct:
+        for k, i in enumerate(comp_idx):
+            out[i] = jnp.where(global_bad[k], jnp.nan, direct_parts[k]).astype(leaves[i].dtype)
+    elif comp_idx:
+        # x_i = g_i + e_i, one padded part per leaf; a non-finite leaf contributes zeros.
         parts = []
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
             g = jnp.ravel(leaves[i]).astype(jnp.float32)
             g = jnp.pad(g, (0, seg.padded_size - seg.size))
-            if cfg.error_feedback:
+            if ef:
                 g = g + state.residual[seg.offset:seg.offset + seg.padded_size].astype(jnp.float32)
             parts.append(jnp.where(local_ok[k], g, 0.0))
-        x = jnp.concatenate(parts)
-        if exact_parts and axis is not None:
+        if bucket is not None and axis is not None:
             # Sequence the exact all-reduce before the compressed collectives: XLA may
             # otherwise start independent collectives in a different order on different
             # devices, which deadlocks runtimes that rendezvous per collective (CPU).
-            bucket, x = lax.optimization_barrier((bucket, x))
+            bucket, parts = lax.optimization_barrier((bucket, parts))
+        # The flat bucket; compressors that work per leaf never read it (XLA drops it).
+        x = flat_bucket.concat(parts)
         comp_metrics = cfg.compressor.local_metrics(x, plan.segments)
         if cfg.compressor.has_exchange:
-            mean, local, comp_state = cfg.compressor.exchange(
-                x, plan.segments, state.compressor_state, axis_name=axis if n_rep > 1 else None,
-                num_replicas=n_rep, key=replica_key, shared_key=step_key, count=state.count,
+            means, locals_, comp_state = cfg.compressor.exchange_parts(
+                parts, plan.segments, state.compressor_state,
+                axis_name=axis if n_rep > 1 else None, num_replicas=n_rep, key=replica_key,
+                shared_key=step_key, count=state.count,
             )
-            res = ReduceResult(mean, local, state.server_residual)
             new_comp_state = comp_state
             if cfg.check_finite:
                 # The flags are shared, so this keeps the replicated state replicated.
@@ -236,28 +249,29 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 server_residual=state.server_residual if plan.server_residual_size else None,
                 segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
             )
+            cut = lambda v: [v[s.offset:s.offset + s.size] for s in plan.segments]  # noqa: E731
+            means, locals_ = cut(res.mean), cut(res.local)
+            if plan.server_residual_size:
+                # Without check_finite the flags are local: a replica keeps its own chunk's state.
+                any_bad = jnp.any(jnp.stack(global_bad))
+                new_server = jnp.where(any_bad, state.server_residual, res.server_residual)
         res_parts = []
-        mean = res.mean
-        if axis is not None and n_rep == 1:
-            # An axis of size one: no reducer ran; a (free) psum types the mean replicated.
-            mean = _compat.psum(mean, axis)
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
-            m = mean[seg.offset:seg.offset + seg.size]
+            m = means[k]
+            if axis is not None and n_rep == 1:
+                # An axis of size one: no reducer ran; a (free) psum types the mean replicated.
+                m = _compat.psum(m, axis)
             m = jnp.where(global_bad[k], jnp.nan, m)
             out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
-            if cfg.error_feedback:
+            if ef:
                 lo, hi = seg.offset, seg.offset + seg.size
                 # Compilers may fuse decode's last multiply into this subtraction (FMA):
                 # then e' is x - C(x) rounded once instead of twice (<= 1 ulp apart).
-                e = (x[lo:hi] - res.local[lo:hi]).astype(cfg.residual_dtype)
+                e = (parts[k][:seg.size] - locals_[k]).astype(cfg.residual_dtype)
                 e = jnp.where(global_bad[k], state.residual[lo:hi], e)
                 res_parts.append(jnp.pad(e, (0, seg.padded_size - seg.size)))
-        if cfg.error_feedback:
-            new_residual = jnp.concatenate(res_parts)
-        if plan.server_residual_size:
-            # Without check_finite the flags are local: a replica keeps its own chunk's state.
-            any_bad = jnp.any(jnp.stack(global_bad))
-            new_server = jnp.where(any_bad, state.server_residual, res.server_residual)
+        if ef:
+            new_residual = flat_bucket.concat(res_parts)
 
     metrics = {
         "residual_norm": jnp.linalg.norm(new_residual.astype(jnp.float32)).reshape(1),
@@ -391,7 +405,7 @@ def compressed_mean(
         leaves = jax.tree_util.tree_leaves(params)
         n_rep = _num_replicas_now(cfg)
         plan = cfg.plan(leaves, n_rep)
-        n = plan.compressed_size if cfg.error_feedback else 0
+        n = plan.compressed_size if cfg.error_feedback and not compressor.lossless else 0
         key = jax.random.PRNGKey(cfg.seed)
         comp_state = ()
         if compressor.has_exchange and plan.segments:

@@ -30,6 +30,8 @@ from typing import Any, ClassVar, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from commjax import bucket as flat_bucket
+
 __all__ = [
     "Compressor",
     "BlockCompressor",
@@ -82,6 +84,8 @@ class Compressor:
 
     name: ClassVar[str] = "compressor"
     linear: ClassVar[bool] = False
+    # decode(encode(x)) == x bit for bit: error feedback would only ever hold zeros.
+    lossless: ClassVar[bool] = False
     chunkable: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
@@ -128,6 +132,23 @@ class Compressor:
         ``mean`` identical on every replica and ``local`` what error feedback subtracts
         from ``x``. ``axis_name=None`` means one replica and no collective."""
         raise NotImplementedError
+
+    def exchange_parts(
+        self,
+        parts: Sequence[jax.Array],
+        segments: Sequence[Segment],
+        state: Any,
+        **kwargs: Any,
+    ) -> tuple[list[jax.Array], list[jax.Array], Any]:
+        """:meth:`exchange` on the bucket held as one array per segment (``parts[i]`` is
+        ``segments[i].padded_size`` long): returns the mean and the local decode per
+        segment, each ``segments[i].size`` long, and the new state.
+        :func:`commjax.compressed_mean` calls this; the default joins the parts into the
+        flat bucket and calls :meth:`exchange`. A compressor that works leaf by leaf
+        (PowerSGD) overrides it and never builds the flat bucket."""
+        mean, local, new_state = self.exchange(flat_bucket.concat(parts), segments, state, **kwargs)
+        cut = lambda v: [v[s.offset:s.offset + s.size] for s in segments]  # noqa: E731
+        return cut(mean), cut(local), new_state
 
     def exchange_bytes(self, segments: Sequence[Segment], num_replicas: int) -> float:
         """Analytic per-device ring bytes of one :meth:`exchange`."""

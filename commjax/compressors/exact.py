@@ -20,6 +20,7 @@ class Identity(BlockCompressor):
 
     name: ClassVar[str] = "identity"
     linear: ClassVar[bool] = True
+    lossless: ClassVar[bool] = True
 
     @property
     def block(self) -> int:
