@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commjax import _compat
 from commjax.layout import shard_state, state_specs
 
-__all__ = ["Task", "noniid_classification", "TrainResult", "train", "mlp_params", "mlp_apply"]
+__all__ = ["Task", "noniid_classification", "TrainResult", "train", "mlp_params", "mlp_apply",
+           "block_codecs", "ready", "same_bits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,3 +234,31 @@ def mlp_4m_params() -> dict:
     """A 4.2M-parameter MLP's parameter shapes (4 layers of 1024x1024 + biases)."""
     return {f"layer{i}": {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
                           "b": jax.ShapeDtypeStruct((1024,), jnp.float32)} for i in range(4)}
+
+
+def block_codecs() -> dict[str, Any]:
+    """One instance of every block codec (each chunkable, so every reducer applies),
+    by a short name: the set that sweeps and parametrized tests run over."""
+    from commjax.compressors.exact import cast, identity
+    from commjax.compressors.quantize import qsgd, quantize, terngrad
+    from commjax.compressors.sign import sign
+
+    return {
+        "identity": identity(), "cast": cast(), "q8": quantize(8), "q4": quantize(4),
+        "q2": quantize(2), "qsgd": qsgd(), "terngrad": terngrad(), "sign": sign(),
+    }
+
+
+def ready(*xs: Any) -> Any:
+    """Block until ``xs`` are computed and return them (one value unpacked). On CPU with
+    forced devices, a step whose inputs are still being produced, or two multi-device
+    steps in flight at once, can starve the collectives' rendezvous: materialise inputs
+    before each step and block on its outputs."""
+    return jax.block_until_ready(xs if len(xs) > 1 else xs[0])
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two pytrees hold bit-identical leaves (NaNs in the same places count as equal)."""
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True) for x, y in zip(la, lb))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 COMPRESSORS = (
     "identity", "cast", "quantize", "qsgd", "terngrad", "sign", "top_k", "random_k", "powersgd",
@@ -20,34 +20,24 @@ COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb", "dgc", "diloco")
 OPTIMIZERS = PLAIN_OPTIMIZERS + COMM_OPTIMIZERS
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _number_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str):
+    """An argparse ``type=`` that converts with ``convert`` and accepts what ``ok`` allows."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
 
 
-def nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+positive_int = _number_type(int, lambda v: v >= 1, "a positive integer")
+nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _number_type(float, lambda v: v > 0, "a positive number")
 
 
 def ratio_float(text: str) -> float:

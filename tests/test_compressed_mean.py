@@ -1,34 +1,18 @@
 """compressed_mean: error feedback, replica agreement, layouts, bad input, non-finite."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
-from commjax.testing import noniid_classification, train
+from commjax.testing import block_codecs, noniid_classification, ready, train
 
 
-def ready(*xs):
-    """Materialise inputs before a multi-device step: on CPU, an input still being computed
-    or copied when 8 device threads block in a collective can starve the runtime."""
-    return jax.block_until_ready(xs if len(xs) > 1 else xs[0])
-
-COMPRESSORS = {
-    "identity": cj.identity(),
-    "cast": cj.cast(),
-    "q8": cj.quantize(8),
-    "q4": cj.quantize(4),
-    "q2": cj.quantize(2),
-    "qsgd": cj.qsgd(),
-    "terngrad": cj.terngrad(),
-    "sign": cj.sign(),
-}
+COMPRESSORS = block_codecs()
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +329,17 @@ def test_hierarchical_inner_axis_exact_then_outer_compressed():
     out = np.asarray(out)
     np.testing.assert_array_equal(out, np.broadcast_to(out[:1], out.shape))
     np.testing.assert_allclose(out[0], np.asarray(g).mean(0), atol=0.05)
+
+
+@pytest.mark.parametrize("value,finite", [(1e36, True), (np.inf, False), (np.nan, False)])
+def test_a_sum_that_overflows_is_not_taken_for_a_non_finite_gradient(value, finite):
+    """Finiteness comes from one sum per leaf; a sum that overflows on finite values falls
+    back to the elementwise test, so huge but finite gradients are still sent."""
+    tx = cj.compressed_mean(cj.quantize(8), axis_name=None, min_compress_size=1)
+    g = jnp.full((32, 32), 1e36, jnp.float32).at[3, 4].set(value)  # sum: 1e39 > fp32 max
+    state = tx.init(g)
+    out, state = jax.jit(tx.update)(g, state)
+    assert bool(np.all(np.isfinite(np.asarray(out)))) == finite
+    assert float(state.metrics["nonfinite"][0]) == (0.0 if finite else 1.0)
+    if finite:
+        np.testing.assert_allclose(np.asarray(out), 1e36, rtol=1e-2)

@@ -22,12 +22,6 @@ from commjax.transform import AxisNotBoundError, compressed_mean
 N = 8
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    assert jax.device_count() >= N, "tests need 8 forced CPU devices (see conftest.py)"
-    return _compat.make_mesh((N,), ("data",))
-
-
 # ------------------------------------------------------------------------ construction
 
 

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax.optimizers.diloco import DiLoCoState, diloco, landing_update
-from commjax.testing import noniid_classification, train
+from commjax.testing import noniid_classification, ready, same_bits, train
 
 N = 8
 H = 10
@@ -18,23 +18,10 @@ STEPS = 200
 INNER_LR = 0.3
 
 
-def ready(*xs):
-    return jax.block_until_ready(xs if len(xs) > 1 else xs[0])
-
 
 def nesterov():
     return optax.sgd(0.7, momentum=0.9, nesterov=True)
 
-
-def _same_bits(a, b):
-    return all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    assert jax.device_count() >= N, "tests need 8 forced CPU devices (see conftest.py)"
-    return _compat.make_mesh((N,), ("data",))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +80,7 @@ def test_state_layout(task):
     assert all(x.shape[0] == 1 for x in jax.tree_util.tree_leaves(s.inner_state))
     assert not any(jax.tree_util.tree_leaves((mask.anchor, mask.outer_state, mask.count)))
     assert mask.exchange.residual and not mask.exchange.count
-    assert _same_bits(s.anchor, task.params)
+    assert same_bits(s.anchor, task.params)
 
 
 # ------------------------------------------------------------------------- landing
@@ -249,13 +236,13 @@ def test_diloco_within_15_percent_of_data_parallel_inner_optimizer(task, sgd_ref
     assert STEPS % H == 0 and int(np.asarray(got.opt_state.count)) == STEPS
 
 
-def test_vma_off_and_pmap_give_the_same_bits(task):
+def test_vma_off_and_pmap_give_thesame_bits(task):
     make = lambda: diloco(optax.adam(1e-2), nesterov(), sync_every=5)
     a = train(make(), task, 15, log_every=15)
     b = train(make(), task, 15, log_every=15, check_vma=False)
     c = train(make(), task, 15, log_every=15, use_pmap=True)
-    assert _same_bits(a.replica_params, b.replica_params)
-    assert _same_bits(a.replica_params, c.replica_params)
+    assert same_bits(a.replica_params, b.replica_params)
+    assert same_bits(a.replica_params, c.replica_params)
 
 
 # ------------------------------------------------------------------------- non-finite
@@ -305,7 +292,7 @@ def test_nan_between_syncs_stays_local_and_at_a_sync_reaches_everyone(mesh):
     u, s3 = f(*ready(p, grads(nan_on=5), s2))
     ready(u, s3)
     assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree_util.tree_leaves(u))
-    assert _same_bits(s3.anchor, s2.anchor) and _same_bits(s3.outer_state, s2.outer_state)
+    assert same_bits(s3.anchor, s2.anchor) and same_bits(s3.outer_state, s2.outer_state)
     assert int(np.asarray(s3.count)) == 3
     # The next round goes on normally.
     u, s4 = f(*ready(p, grads(), s3))

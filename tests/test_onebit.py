@@ -12,13 +12,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax.optimizers.onebit import OneBitAdamState, OneBitLambState, onebit_adam, onebit_lamb
-from commjax.testing import noniid_classification, train
+from commjax.testing import noniid_classification, ready, same_bits, train
 
 N = 8
 
-
-def ready(*xs):
-    return jax.block_until_ready(xs if len(xs) > 1 else xs[0])
 
 
 def exact_adam(lr, **kw):
@@ -26,19 +23,9 @@ def exact_adam(lr, **kw):
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    assert jax.device_count() >= N, "tests need 8 forced CPU devices (see conftest.py)"
-    return _compat.make_mesh((N,), ("data",))
-
-
-@pytest.fixture(scope="module")
 def task():
     return noniid_classification(N)
 
-
-def _same_bits(a, b):
-    return all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 # ------------------------------------------------------------------------- bad input
@@ -218,20 +205,20 @@ def test_schedule_is_evaluated_at_the_step_count():
 
     stop = optax.piecewise_constant_schedule(3e-3, {6: 0.0})
     six = run(3e-3, 6)
-    assert _same_bits(six, run(stop, 6))
-    assert _same_bits(six, run(stop, 8))
-    assert not _same_bits(six, run(3e-3, 8))
+    assert same_bits(six, run(stop, 6))
+    assert same_bits(six, run(stop, 8))
+    assert not same_bits(six, run(3e-3, 8))
 
 
-def test_shard_map_vma_off_and_pmap_give_the_same_bits(task, adam_runs):
+def test_shard_map_vma_off_and_pmap_give_thesame_bits(task, adam_runs):
     """The vma check changes typing only; pmap lays the state out with a device axis."""
     a = adam_runs[1]
     tx = lambda: onebit_adam(LR, warmup_steps=ADAM_WARMUP)
     b = train(tx(), task, ADAM_STEPS, log_every=ADAM_STEPS, check_vma=False)
     c = train(tx(), task, ADAM_STEPS, log_every=ADAM_STEPS, use_pmap=True)
     assert b.replicas_identical and c.replicas_identical
-    assert _same_bits(a.params, b.params)
-    assert _same_bits(a.params, c.params)
+    assert same_bits(a.params, b.params)
+    assert same_bits(a.params, c.params)
 
 
 # ------------------------------------------------------------------------- dead units
@@ -358,7 +345,7 @@ def test_nan_on_one_replica_nans_every_update_and_keeps_the_state(mesh, factory)
             u, new = f(*ready(grads(nan_at=5), state))
             ready(u, new)
             assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree_util.tree_leaves(u))
-            assert _same_bits(new, state), f"state changed on a NaN step ({t})"
+            assert same_bits(new, state), f"state changed on a NaN step ({t})"
         u, state = f(*ready(grads(), state))
         ready(u, state)
         assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(u))

@@ -9,7 +9,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -17,17 +16,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax.compressors.base import Segment
-from commjax.compressors.powersgd import PowerSGDState, matrix_shape, orthogonalize, powersgd
-from commjax.testing import noniid_classification, train
+from commjax.compressors.powersgd import matrix_shape, orthogonalize, powersgd
+from commjax.testing import same_bits
 
 N = 8
 AXIS = "data"
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    assert jax.device_count() >= N, "tests need 8 forced CPU devices (see conftest.py)"
-    return _compat.make_mesh((N,), (AXIS,))
 
 
 def make_step(tx, params, mesh, *, check_vma=True):
@@ -529,3 +522,38 @@ def test_pmap_and_check_vma_false(mesh):
                 assert rel(u[k][0], np.asarray(grads[k], np.float64).mean(0)) < tol, (t, k)
     assert int(np.asarray(pm_state.count)[0]) == 2
     assert not np.all(np.asarray(pm_state.residual) == 0.0)  # PowerSGD phase reached
+
+
+@pytest.mark.parametrize("r", [1, 4, 8, 16])
+def test_thin_products_match_the_dense_ones(r):
+    """M^T P and P Q^T (computed on CPU as streaming passes for r <= 8) equal the dots."""
+    from commjax.compressors.powersgd import _low_rank_product, _transposed_product
+
+    rng = np.random.default_rng(r)
+    m = rng.standard_normal((96, 80)).astype(np.float32)
+    p = rng.standard_normal((96, r)).astype(np.float32)
+    q = rng.standard_normal((80, r)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(_transposed_product)(m, p)),
+                               m.T.astype(np.float64) @ p, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(jax.jit(_low_rank_product)(p, q)),
+                               p.astype(np.float64) @ q.T, rtol=1e-5, atol=1e-5)
+
+
+def test_exchange_on_a_flat_bucket_equals_the_leaf_by_leaf_exchange():
+    comp = powersgd(rank=2)
+    shapes = [(24, 16), (24, 16), (10, 30)]
+    segs, off = [], 0
+    for s in shapes:
+        n = s[0] * s[1]
+        segs.append(Segment(off, n, n, s))
+        off += n
+    x = jax.random.normal(jax.random.PRNGKey(0), (off,))
+    state = comp.init_exchange_state(segs, 1, jax.random.PRNGKey(1))
+    kw = dict(axis_name=None, num_replicas=1, key=None, shared_key=jax.random.PRNGKey(2),
+              count=jnp.int32(0))
+    mean, local, s1 = comp.exchange(x, segs, state, **kw)
+    means, locals_, s2 = comp.exchange_parts([x[s.offset:s.offset + s.size] for s in segs],
+                                             segs, state, **kw)
+    np.testing.assert_array_equal(np.asarray(mean), np.concatenate([np.asarray(m) for m in means]))
+    np.testing.assert_array_equal(np.asarray(local), np.asarray(mean))
+    assert same_bits(s1, s2)

@@ -77,3 +77,14 @@ def test_auto_picks_the_cheapest_valid_reducer():
                 assert plan.bytes_per_step <= other.bytes_per_step + 1e-6
     assert cj.communication_plan(cj.identity(), PARAMS, 8).reducer == "allreduce"
     assert cj.communication_plan(cj.quantize(4), PARAMS, 8).reducer == "two_phase"
+
+
+def test_exact_mean_is_one_all_reduce_of_the_leaves_themselves():
+    """The identity keeps no residual and sends every leaf, uncopied, as an operand of the
+    exact bucket's all-reduce: one collective in all."""
+    tx = cj.compressed_mean(cj.identity(), "data")
+    assert tx.init(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape), PARAMS)).residual.shape == (0,)
+    rep = update_collectives(tx, PARAMS, 8)
+    assert len(rep.collectives) == 1 and rep.collectives[0].kind == "all-reduce", rep.table()
+    # The exact bucket (biases and NaN flags) and each of the four weight matrices.
+    assert rep.collectives[0].dtypes == ("f32",) * 5
