@@ -196,8 +196,11 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     direct = cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
 
     # Per-leaf local finiteness of the compressed leaves, shared through the exact bucket.
-    local_ok = [_all_finite(leaves[i]) for i in comp_idx]
-    flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok] if cfg.check_finite else []
+    # Without check_finite nothing is tested: a NaN flows through the codec into the mean,
+    # identically on every replica (they all decode the same payloads).
+    check = cfg.check_finite
+    local_ok = [_all_finite(leaves[i]) for i in comp_idx] if check else []
+    flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok]
     exact_parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in exact_idx] + flags
     direct_parts = [leaves[i].astype(jnp.float32) for i in comp_idx] if direct else []
     global_bad = [jnp.logical_not(ok) for ok in local_ok]
@@ -211,7 +214,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             size = int(np.prod(plan.shapes[i])) if plan.shapes[i] else 1
             out[i] = bucket[pos:pos + size].reshape(plan.shapes[i]).astype(leaves[i].dtype)
             pos += size
-        if cfg.check_finite:
+        if check:
             # `!= 0` is also True for a NaN flag.
             global_bad = [bucket[pos + k] != 0 for k in range(len(comp_idx))]
 
@@ -221,16 +224,25 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     comp_metrics: dict = {}
     if comp_idx and direct:
         for k, i in enumerate(comp_idx):
-            out[i] = jnp.where(global_bad[k], jnp.nan, direct_parts[k]).astype(leaves[i].dtype)
+            m = jnp.where(global_bad[k], jnp.nan, direct_parts[k]) if check else direct_parts[k]
+            out[i] = m.astype(leaves[i].dtype)
     elif comp_idx:
-        # x_i = g_i + e_i, one padded part per leaf; a non-finite leaf contributes zeros.
+        # x_i = g_i + e_i, one padded part per leaf.
         parts = []
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
             g = jnp.ravel(leaves[i]).astype(jnp.float32)
             g = jnp.pad(g, (0, seg.padded_size - seg.size))
             if ef:
                 g = g + state.residual[seg.offset:seg.offset + seg.padded_size].astype(jnp.float32)
-            parts.append(jnp.where(local_ok[k], g, 0.0))
+            parts.append(g)
+        if check and not cfg.compressor.leaf_local:
+            # A non-finite leaf would spoil the others' encoding: it contributes zeros.
+            # (Leaf-local codecs keep it in its own blocks, and its mean is NaN anyway.)
+            # Decided once for the bucket: a select inside the fusion that joins the
+            # bucket made it several times slower on CPU.
+            parts = lax.cond(
+                jnp.all(jnp.stack(local_ok)), lambda ps: list(ps),
+                lambda ps: [jnp.where(ok, p, 0.0) for p, ok in zip(ps, local_ok)], parts)
         if bucket is not None and axis is not None:
             # Sequence the exact all-reduce before the compressed collectives: XLA may
             # otherwise start independent collectives in a different order on different
@@ -246,7 +258,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 shared_key=step_key, count=state.count,
             )
             new_comp_state = comp_state
-            if cfg.check_finite:
+            if check:
                 # The flags are shared, so this keeps the replicated state replicated.
                 any_bad = jnp.any(jnp.stack(global_bad))
                 new_comp_state = jax.tree_util.tree_map(
@@ -261,24 +273,30 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             )
             cut = lambda v: [v[s.offset:s.offset + s.size] for s in plan.segments]  # noqa: E731
             means, locals_ = cut(res.mean), cut(res.local)
+            # The residual reads x from the joined bucket, so that the parts are only
+            # ever written once, into it.
+            parts = cut(x)
             if plan.server_residual_size:
-                # Without check_finite the flags are local: a replica keeps its own chunk's state.
-                any_bad = jnp.any(jnp.stack(global_bad))
-                new_server = jnp.where(any_bad, state.server_residual, res.server_residual)
+                new_server = res.server_residual
+                if check:
+                    any_bad = jnp.any(jnp.stack(global_bad))
+                    new_server = jnp.where(any_bad, state.server_residual, new_server)
         res_parts = []
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
             m = means[k]
             if axis is not None and n_rep == 1:
                 # An axis of size one: no reducer ran; a (free) psum types the mean replicated.
                 m = _compat.psum(m, axis)
-            m = jnp.where(global_bad[k], jnp.nan, m)
+            if check:
+                m = jnp.where(global_bad[k], jnp.nan, m)
             out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
             if ef:
                 lo, hi = seg.offset, seg.offset + seg.size
                 # Compilers may fuse decode's last multiply into this subtraction (FMA):
                 # then e' is x - C(x) rounded once instead of twice (<= 1 ulp apart).
                 e = (parts[k][:seg.size] - locals_[k]).astype(cfg.residual_dtype)
-                e = jnp.where(global_bad[k], state.residual[lo:hi], e)
+                if check:
+                    e = jnp.where(global_bad[k], state.residual[lo:hi], e)
                 res_parts.append(jnp.pad(e, (0, seg.padded_size - seg.size)))
         if ef:
             new_residual = flat_bucket.concat(res_parts)
@@ -353,7 +371,11 @@ def compressed_mean(
       server_error_feedback: the two-phase reducer's second residual (default True).
       check_finite: share one NaN/Inf flag per compressed leaf (rides in the exact
         bucket): a non-finite gradient on any replica makes that leaf's mean NaN on every
-        replica, and the residuals keep their previous value on that step.
+        replica, and the residuals keep their previous value on that step. ``False``
+        skips the test (one reduction per leaf): a non-finite value then goes through the
+        codec as it is, so what the mean becomes depends on the codec (NaN in its block
+        for the scaled codecs), still identically on every replica, and it stays in the
+        sending replica's residual.
       num_replicas: replicas the state is sized for when ``init`` runs outside
         ``shard_map`` (default: the axis size if bound, else ``jax.device_count()``).
         Only the two-phase server residual depends on it.

@@ -343,3 +343,22 @@ def test_a_sum_that_overflows_is_not_taken_for_a_non_finite_gradient(value, fini
     assert float(state.metrics["nonfinite"][0]) == (0.0 if finite else 1.0)
     if finite:
         np.testing.assert_allclose(np.asarray(out), 1e36, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["sign", "q4", "identity"])
+def test_without_check_finite_the_mean_is_still_replicated(name, mesh):
+    """check_finite=False under shard_map(check_vma=True): the mean is typed replicated
+    (out_specs P() compiles) and equal on all replicas, a NaN included."""
+    tx = cj.compressed_mean(COMPRESSORS[name], "data", check_finite=False, min_compress_size=64)
+    g = {"a": jax.random.normal(jax.random.PRNGKey(0), (8, 16, 16)),
+         "b": jax.random.normal(jax.random.PRNGKey(1), (8, 16, 8))}
+    g["a"] = g["a"].at[3, 2, 3].set(jnp.nan)
+    state = cj.shard_state(tx.init(jax.tree_util.tree_map(lambda a: a[0], g)), mesh, "data")
+    specs = cj.state_specs(state, "data")
+    step = jax.jit(_compat.shard_map(
+        lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s),
+        mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs)))
+    out, state = step(*ready(g, state))
+    assert np.isnan(np.asarray(out["a"])).any()  # nothing filtered it out
+    assert np.all(np.isfinite(np.asarray(out["b"])))
+    assert float(np.max(np.asarray(state.metrics["nonfinite"]))) == 0.0  # nothing was tested

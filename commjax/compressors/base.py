@@ -86,6 +86,9 @@ class Compressor:
     linear: ClassVar[bool] = False
     # decode(encode(x)) == x bit for bit: error feedback would only ever hold zeros.
     lossless: ClassVar[bool] = False
+    # Each segment's payload and decode depend on that segment's values only (no block,
+    # selection or factor spans two leaves): a NaN in one leaf cannot reach another.
+    leaf_local: ClassVar[bool] = False
     chunkable: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
@@ -219,6 +222,7 @@ class BlockCompressor(Compressor):
     """
 
     chunkable: ClassVar[bool] = True
+    leaf_local: ClassVar[bool] = True  # segments are padded to whole blocks
 
     @property
     def block(self) -> int:

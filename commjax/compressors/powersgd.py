@@ -335,6 +335,9 @@ class PowerSGD(Compressor):
 
     name: ClassVar[str] = "powersgd"
     has_exchange: ClassVar[bool] = True
+    # Factors are per leaf: the fused all-reduces add slot by slot, and Gram-Schmidt runs
+    # per matrix (a stacked group is a batch, and zero-padding stays zero).
+    leaf_local: ClassVar[bool] = True
     metric_names: ClassVar[tuple[str, ...]] = ("compression_rate", "compressed_leaves")
 
     # -------------------------------------------------------------- shapes and routing
