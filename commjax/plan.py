@@ -25,9 +25,9 @@ import numpy as np
 
 from commjax.accounting import exact_mean_bytes, ring_bytes
 from commjax.compressors.base import Compressor, Segment
-from commjax.reducers import choose_reducer, reducer_wire_bytes, reduced_length, server_residual_size
+from commjax.reducers import choose_reducer, reducer_wire_bytes, server_residual_size
 
-__all__ = ["LeafRoute", "CommunicationPlan", "make_plan", "communication_plan"]
+__all__ = ["CommunicationPlan", "make_plan", "communication_plan", "route_leaf"]
 
 PASS, EXACT, COMPRESS = "pass", "exact", "compress"
 

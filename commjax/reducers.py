@@ -23,12 +23,10 @@ around silently): only compressors with ``linear = True`` may use ``allreduce``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from commjax import _compat
 from commjax.accounting import ring_bytes

@@ -28,7 +28,7 @@ from commjax import _compat, bucket as flat_bucket
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
-from commjax.reducers import REDUCERS, ReduceResult, check_reducer, reduce_mean
+from commjax.reducers import check_reducer, reduce_mean
 
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
 
