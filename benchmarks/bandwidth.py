@@ -210,6 +210,9 @@ class JaxMethod:
     note: str = ""
     per_replica_params: bool = False  # parameters differ between replicas (DiLoCo)
     sync_every: int = 1  # HLO bytes are those of one sync step; divided by this per step
+    # False only for the no-exchange floor: replicas' parameters and state then differ,
+    # and the step is timed as if they did not (nothing is sent to make them agree).
+    check_vma: bool = True
 
 
 def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
@@ -228,7 +231,7 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
                          note=note or f"{plan.reducer} reducer")
 
     if name == FLOOR:
-        return JaxMethod(sgd, 0.0, per_replica_params=True,
+        return JaxMethod(sgd, 0.0, check_vma=False,
                          note="floor: no exchange, each replica applies its own gradient")
     if name == "exact":
         return via_compressed_mean(cj.identity())
@@ -327,7 +330,7 @@ def jax_worker(args: argparse.Namespace) -> None:
         lambda p, xb, yb: mean_loss(jax.tree_util.tree_map(lambda a: a[0], p), xb, yb),
         mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
 
-    def build(tx, state, per_replica_params):
+    def build(tx, state, per_replica_params, check_vma=True):
         specs = cj.state_specs(state, AXIS)
         pspec = P(AXIS) if per_replica_params else P()
 
@@ -345,7 +348,7 @@ def jax_worker(args: argparse.Namespace) -> None:
         # so that the compiled step takes its own output as its next input.
         out_sh = (NamedSharding(mesh, pspec), jax.tree_util.tree_map(lambda a: a.sharding, state))
         return jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(pspec, specs, P(AXIS), P(AXIS)),
-                                         out_specs=(pspec, specs)),
+                                         out_specs=(pspec, specs), check_vma=check_vma),
                        out_shardings=out_sh, donate_argnums=(0, 1))
 
     def place_params(per_replica_params):
@@ -368,7 +371,8 @@ def jax_worker(args: argparse.Namespace) -> None:
         params = place_params(m.per_replica_params)
         state = cj.shard_state(m.tx.init(host_params), mesh, AXIS)
         t0 = time.perf_counter()
-        step_fn = build(m.tx, state, m.per_replica_params).lower(params, state, x, y).compile()
+        step_fn = build(m.tx, state, m.per_replica_params, m.check_vma).lower(
+            params, state, x, y).compile()
         compile_s = time.perf_counter() - t0
         hlo = cj.collective_bytes(step_fn)
         if m.bytes_tx is not None:  # e.g. 1-bit Adam: only the compressed stage's bytes
