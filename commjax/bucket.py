@@ -3,10 +3,11 @@
 Every exchange in commjax works on one flat float32 *bucket* built from many gradient
 leaves, and turns the bucket back into leaves afterwards. The obvious
 ``jnp.concatenate([jnp.ravel(g) for g in leaves])`` is correct but, on XLA:CPU, is compiled
-to a loop that recomputes a multi-dimensional index for every element: for a 13.6M-element
-bucket it took 80-140 ms, longer than the model's forward and backward passes together.
-Joined as ``[rows, W]`` blocks along axis 0 instead, the same bytes land in the same
-places at memory speed (3-5x faster), because each row comes whole from one part.
+to a loop that works out, for every element, which part and which index it comes from:
+in the training step of a 13.6M-parameter MLP on one core, the fusion that joined
+``g + e`` into the bucket took 138 ms that way and 30 ms joined as ``[rows, W]`` blocks
+along axis 0, where each row comes whole from one part and the same bytes land in the
+same places.
 
 :func:`row_width` picks ``W``: the largest power of two up to :data:`MAX_ROW_WIDTH` that
 divides every part's length (then every offset is a whole number of rows too). When the
