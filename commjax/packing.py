@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = ["words_per_plane", "packed_words", "pack_codes", "unpack_codes"]
 
@@ -52,11 +53,12 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
         codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
     codes = codes.reshape(codes.shape[:-1] + (w, 32))
     shifts = jnp.asarray(_SHIFTS)
-    planes = []
-    for k in range(bits):
-        bit = (codes >> jnp.uint32(k)) & jnp.uint32(1)
-        # Distinct bit positions: the sum is an OR and cannot carry.
-        planes.append(jnp.sum(bit << shifts, axis=-1, dtype=jnp.uint32))
+    # Every plane from ONE variadic reduction: each code is computed once and feeds all
+    # the planes (one reduction per plane recomputed the codes, and the quantization
+    # behind them, once per plane). Distinct bit positions: the sum is an OR, no carry.
+    spread = [((codes >> jnp.uint32(k)) & jnp.uint32(1)) << shifts for k in range(bits)]
+    planes = lax.reduce(spread, [jnp.uint32(0)] * bits,
+                        lambda a, b: [x | y for x, y in zip(a, b)], (codes.ndim - 1,))
     return jnp.concatenate(planes, axis=-1) if bits > 1 else planes[0]
 
 

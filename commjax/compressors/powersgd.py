@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from commjax import _compat, bucket as flat_bucket
+from commjax import _compat, bucket as flat_bucket, noise
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import Compressor, Segment, check_choice, check_positive_int
 
@@ -207,34 +207,16 @@ def orthogonalize(
     return _gram_schmidt(a, float(epsilon))
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
-    """The 32-bit finalizer of MurmurHash3: a bijection that mixes every input bit."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
 def _shared_uniform(key: jax.Array, salt: int, shape: tuple[int, ...]) -> jax.Array:
     """i.i.d. ``U(-sqrt 3, sqrt 3)`` (zero mean, unit variance) entries, a pure function of
     ``key``, ``salt`` and the position: identical on every replica that holds ``key``.
 
-    A counter-based hash rather than ``jax.random.normal``: a start or restart vector of
-    the power iteration needs no more than a continuous distribution, and this costs a
-    few integer ops instead of a Threefry/erf-inverse kernel per call site (which
-    dominates compile time on CPU)."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    words = jnp.ravel(key).astype(jnp.uint32)
-    seed = _fmix32(jnp.uint32(salt) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x632BE5AB))
-    for i in range(words.shape[0]):
-        seed = _fmix32(seed ^ words[i])
-    size = math.prod(shape)
-    h = _fmix32(lax.iota(jnp.uint32, size) * jnp.uint32(0x9E3779B9) + seed)
-    h = _fmix32(h ^ (seed >> 7))
-    u = (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)  # [0, 1)
-    return ((2.0 * u - 1.0) * jnp.float32(math.sqrt(3.0))).reshape(shape)
+    Counter-based noise (:func:`commjax.noise.uniform`) rather than ``jax.random.normal``:
+    a start or restart vector of the power iteration needs no more than a continuous
+    distribution, and this costs a few integer ops instead of a Threefry/erf-inverse
+    kernel per call site (which dominates compile time on CPU)."""
+    u = noise.uniform(key, shape, salt)
+    return (2.0 * u - 1.0) * jnp.float32(math.sqrt(3.0))
 
 
 def _reseed(a: jax.Array, key: jax.Array, salt: int, epsilon: float) -> jax.Array:
@@ -256,7 +238,7 @@ def _seeded(key: jax.Array, seed: int) -> jax.Array:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     words = jnp.ravel(key).astype(jnp.uint32)
-    return words.at[0].set(_fmix32(words[0] ^ _fmix32(jnp.uint32(seed & 0xFFFFFFFF) + jnp.uint32(0x1B873593))))
+    return words.at[0].set(noise.fmix32(words[0] ^ noise.fmix32(jnp.uint32(seed & 0xFFFFFFFF) + jnp.uint32(0x1B873593))))
 
 
 def _mean(v: jax.Array, axis_name: Any, num_replicas: int) -> jax.Array:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax import kernels
+from commjax import kernels, noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
 from commjax.packing import packed_words
 
@@ -36,20 +36,19 @@ def _safe_recip(s: jax.Array) -> jax.Array:
 
 
 def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool) -> Optional[jax.Array]:
-    """The noise ``u ~ U[0, 1)`` that :func:`_round_levels` adds (``None``: round to nearest)."""
+    """The noise ``u ~ U[0, 1)`` of stochastic rounding, ``floor(q + u)`` (``None``: round
+    to nearest). Counter-based (:func:`commjax.noise.uniform`): one value per element and
+    step is needed, and Threefry cost more than the rest of the step on CPU."""
     if not stochastic:
         return None
     if key is None:
         raise ValueError("a stochastic compressor needs a PRNG key")
-    return jax.random.uniform(key, shape, jnp.float32)
+    return noise.uniform(key, shape)
 
 
 def _round_levels(q: jax.Array, key: Optional[jax.Array], stochastic: bool) -> jax.Array:
-    if stochastic:
-        if key is None:
-            raise ValueError("a stochastic compressor needs a PRNG key")
-        return jnp.floor(q + jax.random.uniform(key, q.shape, jnp.float32))
-    return jnp.round(q)
+    u = _uniforms(key, q.shape, stochastic)
+    return jnp.round(q) if u is None else jnp.floor(q + u)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ writes ``bits / 8 + 4 / B`` bytes of payload plus, if asked, 4 bytes of decoded 
 residual; the reference (``quantize_reference``, the codec's own jnp code) leaves the
 fusion to XLA.
 
-Randomness comes in as ``u`` (``jax.random.uniform`` outside the kernel) so that the
+Randomness comes in as ``u`` (:func:`commjax.noise.uniform` outside the kernel) so that the
 kernel and the reference see the same noise on every backend; there is no in-kernel
 RNG.
 
