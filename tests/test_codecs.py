@@ -57,6 +57,22 @@ def test_pack_bit_layout_is_documented_one():
     assert words.tolist() == [0x80000001, 0x2]
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_multi_bit_layout_matches_the_bit_plane_formula(bits):
+    """words[..., k * W + w] = sum_j ((codes[..., 32 w + j] >> k) & 1) << j."""
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 2**bits, size=(2, 80), dtype=np.uint64).astype(np.uint32)
+    padded = np.zeros((2, 96), np.uint64)
+    padded[:, :80] = codes
+    want = np.zeros((2, bits * 3), np.uint64)
+    for k in range(bits):
+        for w in range(3):
+            for j in range(32):
+                want[:, k * 3 + w] |= ((padded[:, 32 * w + j] >> k) & 1) << j
+    np.testing.assert_array_equal(np.asarray(pack_codes(jnp.asarray(codes), bits)),
+                                  want.astype(np.uint32))
+
+
 @pytest.mark.parametrize("name", sorted(BLOCK_CODECS))
 @pytest.mark.parametrize("n", [1, 31, 33, 4097])
 def test_roundtrip_shape_dtype_awkward_sizes(name, n):
