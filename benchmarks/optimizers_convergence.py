@@ -21,10 +21,9 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from _devices import simulate_cpu_devices
+
+    simulate_cpu_devices(8)
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 import commjax as cj

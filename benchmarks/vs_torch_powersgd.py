@@ -41,10 +41,9 @@ import time
 from pathlib import Path
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from _devices import simulate_cpu_devices
+
+    simulate_cpu_devices(8)
 
 import numpy as np
 

@@ -15,7 +15,9 @@ import json
 import os
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from _devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 
