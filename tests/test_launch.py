@@ -164,10 +164,10 @@ def test_cli_help():
 
 
 @pytest.mark.multiprocess
-def test_cli_failing_script_exit_code_propagates():
+def test_cli_failing_script_exit_code_propagates(tmp_path):
     t0 = time.monotonic()
     out = _cli("--processes", "3", "--grace", "1", str(MP_SCRIPTS / "exit_code.py"),
-               "--fail", "1", "--code", "7")
+               "--fail", "1", "--code", "7", "--barrier", str(tmp_path))
     assert time.monotonic() - t0 < 30  # the sleeping processes were stopped
     assert out.returncode == 7, out.stdout + out.stderr
     assert "[p0] hello from process 0 of 3" in out.stdout
