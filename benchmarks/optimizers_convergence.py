@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -24,6 +23,8 @@ import time
 from _devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
+
+from _results import write_results  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -269,11 +270,7 @@ def main(argv=None) -> int:
         "results": rows,
         "dead_units": dead,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2, allow_nan=False)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

@@ -17,7 +17,6 @@ the exact mean's final loss, rank 1 within 30 %).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -111,9 +110,9 @@ def main(argv=None) -> int:
         "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    from _results import write_results
+
+    write_results(args.out, out, allow_nan=True)
     return 0
 
 

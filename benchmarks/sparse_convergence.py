@@ -13,7 +13,6 @@ these analytic counts equal the compiled HLO's).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,8 @@ import time
 from _devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
+
+from _results import write_results  # noqa: E402
 
 import math  # noqa: E402
 
@@ -132,11 +133,7 @@ def main(argv=None) -> int:
         "jax": jax.__version__,
         "results": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2, allow_nan=False)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

@@ -245,9 +245,9 @@ def main(argv=None) -> int:
         "results": {k: ({kk: vv for kk, vv in v.items() if kk != "losses"} | {"losses_every_10": v["losses"][::10]}
                         if isinstance(v, dict) else v) for k, v in rows.items()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    from _results import write_results
+
+    write_results(args.out, out, allow_nan=True)
     return 0
 
 

@@ -18,12 +18,12 @@ The result is bit-for-bit the same either way.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows"]
+__all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows", "cut"]
 
 #: Widest row used to join parts; wider rows gain nothing measurable on CPU.
 MAX_ROW_WIDTH = 1024
@@ -54,3 +54,9 @@ def concat(parts: Sequence[jax.Array]) -> jax.Array:
     if w == 1:
         return jnp.concatenate(parts)
     return jnp.concatenate([as_rows(p, w) for p in parts], axis=0).reshape(-1)
+
+
+def cut(v: jax.Array, segments: Sequence[Any]) -> list[jax.Array]:
+    """The inverse of joining: each segment's own ``v[offset:offset + size]`` (its padding
+    dropped), for segments such as :class:`commjax.compressors.base.Segment`."""
+    return [v[s.offset:s.offset + s.size] for s in segments]

@@ -271,11 +271,11 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 server_residual=state.server_residual if plan.server_residual_size else None,
                 segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
             )
-            cut = lambda v: [v[s.offset:s.offset + s.size] for s in plan.segments]  # noqa: E731
-            means, locals_ = cut(res.mean), cut(res.local)
+            means = flat_bucket.cut(res.mean, plan.segments)
+            locals_ = flat_bucket.cut(res.local, plan.segments)
             # The residual reads x from the joined bucket, so that the parts are only
             # ever written once, into it.
-            parts = cut(x)
+            parts = flat_bucket.cut(x, plan.segments)
             if plan.server_residual_size:
                 new_server = res.server_residual
                 if check:

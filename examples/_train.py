@@ -430,6 +430,13 @@ def plot_curves(curves: dict, path: str, *, title: str, ylabel: str = "loss",
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Lay out, save (its folder created) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)

@@ -84,11 +84,9 @@ def plot(results, path: str, n: int) -> str:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    import _train  # imported after the device count is set (see main)
+
+    return _train.save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -150,8 +150,7 @@ class Compressor:
         flat bucket and calls :meth:`exchange`. A compressor that works leaf by leaf
         (PowerSGD) overrides it and never builds the flat bucket."""
         mean, local, new_state = self.exchange(flat_bucket.concat(parts), segments, state, **kwargs)
-        cut = lambda v: [v[s.offset:s.offset + s.size] for s in segments]  # noqa: E731
-        return cut(mean), cut(local), new_state
+        return flat_bucket.cut(mean, segments), flat_bucket.cut(local, segments), new_state
 
     def exchange_bytes(self, segments: Sequence[Segment], num_replicas: int) -> float:
         """Analytic per-device ring bytes of one :meth:`exchange`."""
