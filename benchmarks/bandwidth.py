@@ -487,8 +487,11 @@ def run_job(net: netns.Network, argv_for: Callable[[int], list[str]],
 #: the heap instead of returning it to the kernel, so that the step's large buffers are
 #: reused rather than page-faulted in afresh every step (on the VM this was written on a
 #: first touch of 55 MB cost ~0.3 s, which would otherwise be charged to "compute").
+#: One arena: buffers freed by the runtime's worker threads otherwise land in per-thread
+#: arenas whose heaps glibc shrinks with madvise, and are faulted in again on the next
+#: step (seen: ~53k page faults per step of the exact mean without it, none with it).
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
-              "MALLOC_TOP_PAD_": str(1 << 30)}
+              "MALLOC_TOP_PAD_": str(1 << 30), "MALLOC_ARENA_MAX": "1"}
 
 
 def _jax_env(i: int, n: int, coordinator: str, interface: str) -> dict:

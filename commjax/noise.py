@@ -40,9 +40,11 @@ def fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def uniform(key: jax.Array, shape: tuple[int, ...], salt: int = 0) -> jax.Array:
+def uniform(key: jax.Array, shape: tuple[int, ...], salt: int = 0, *, start: int = 0) -> jax.Array:
     """``float32`` numbers in ``[0, 1)`` of ``shape``, a pure function of ``key`` (a raw
-    ``uint32`` key or a typed PRNG key), ``salt`` and the position."""
+    ``uint32`` key or a typed PRNG key), ``salt`` and the position. ``start`` is the
+    position of the first value: ``uniform(k, (a + b,))[a:] == uniform(k, (b,), start=a)``,
+    so a vector's noise can be drawn piece by piece."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     words = jnp.ravel(key).astype(jnp.uint32)
@@ -50,6 +52,7 @@ def uniform(key: jax.Array, shape: tuple[int, ...], salt: int = 0) -> jax.Array:
     for i in range(words.shape[0]):
         seed = fmix32(seed ^ words[i])
     size = math.prod(shape)
-    h = fmix32(lax.iota(jnp.uint32, size) * jnp.uint32(_GOLDEN) + seed)
+    i = lax.iota(jnp.uint32, size) + jnp.uint32(start & 0xFFFFFFFF)
+    h = fmix32(i * jnp.uint32(_GOLDEN) + seed)
     h = fmix32(h ^ (seed >> 7))
     return ((h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)).reshape(shape)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from commjax import _compat
+from commjax import _compat, bucket as flat_bucket
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import Compressor, Segment
 
@@ -41,9 +41,16 @@ __all__ = [
     "server_residual_size",
     "reducer_wire_bytes",
     "reduce_mean",
+    "reduce_mean_parts",
 ]
 
 REDUCERS = ("auto", "allreduce", "allgather", "two_phase")
+
+
+class PartsResult(NamedTuple):
+    means: list  # float32[size] per segment: the mean estimate, identical on every replica
+    locals: list  # float32[size] per segment: decode(encode(x)) of this replica's payload
+    server_residual: jax.Array  # as in ReduceResult
 
 
 class ReduceResult(NamedTuple):
@@ -148,6 +155,45 @@ def choose_reducer(
     return min(options)[2]
 
 
+def _two_phase_exchange(
+    compressor: Compressor,
+    words: jax.Array,
+    m: int,
+    *,
+    axis_name: Any,
+    num_replicas: int,
+    enc_key: Optional[jax.Array],
+    server_residual: Optional[jax.Array],
+    server_error_feedback: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The two collectives of the two-phase reducer on the payload ``words`` of ``m``
+    elements (``m`` a multiple of ``N`` blocks): all-to-all of chunks, decode and sum the
+    chunk this replica owns, re-encode it (with the server residual), all-gather.
+    Returns the gathered words of the whole mean and the new server residual."""
+    empty = jnp.zeros((0,), jnp.float32)
+    block = compressor.alignment
+    chunk = m // num_replicas
+    row = words.shape[0] // (m // block)
+    rows = words.reshape(num_replicas, (chunk // block) * row)
+    received = _compat.all_to_all(rows, axis_name)  # [N, chunk words], from each replica
+    mine = jnp.zeros((chunk,), jnp.float32)
+    for r in range(num_replicas):
+        mine = mine + compressor.decode(received[r], chunk, None)
+    mine = mine / num_replicas
+    if server_residual is None or not server_error_feedback:
+        server_in = mine
+    else:
+        server_in = mine + server_residual.astype(jnp.float32)
+    server_key = None if enc_key is None else jax.random.fold_in(enc_key, 0x5E7)
+    server_words, server_local = compressor.encode_and_decode(server_in, server_key, None)
+    new_server = server_in - server_local
+    if server_residual is None or not server_error_feedback:
+        new_server = empty if server_residual is None else jnp.zeros_like(server_residual)
+    else:
+        new_server = new_server.astype(server_residual.dtype)
+    return _compat.all_gather_invariant(server_words, axis_name, tiled=True), new_server
+
+
 def reduce_mean(
     compressor: Compressor,
     x: jax.Array,
@@ -191,31 +237,94 @@ def reduce_mean(
 
     if reducer == "two_phase":
         m = reduced_length(compressor, n, num_replicas, reducer)
-        xp = jnp.pad(x, (0, m - n))
-        block = compressor.alignment
-        chunk = m // num_replicas
-        words, local = compressor.encode_and_decode(xp, enc_key, None)
-        local = local[:n]
-        row = words.shape[0] // (m // block)
-        rows = words.reshape(num_replicas, (chunk // block) * row)
-        received = _compat.all_to_all(rows, axis_name)  # [N, chunk words], from each replica
-        mine = jnp.zeros((chunk,), jnp.float32)
-        for r in range(num_replicas):
-            mine = mine + compressor.decode(received[r], chunk, None)
-        mine = mine / num_replicas
-        if server_residual is None or not server_error_feedback:
-            server_in = mine
-        else:
-            server_in = mine + server_residual.astype(jnp.float32)
-        server_key = None if enc_key is None else jax.random.fold_in(enc_key, 0x5E7)
-        server_words, server_local = compressor.encode_and_decode(server_in, server_key, None)
-        new_server = server_in - server_local
-        if server_residual is None or not server_error_feedback:
-            new_server = empty if server_residual is None else jnp.zeros_like(server_residual)
-        else:
-            new_server = new_server.astype(server_residual.dtype)
-        gathered = _compat.all_gather_invariant(server_words, axis_name, tiled=True)
-        mean = compressor.decode(gathered, m, None)[:n]
-        return ReduceResult(mean, local, new_server)
+        words, local = compressor.encode_and_decode(jnp.pad(x, (0, m - n)), enc_key, None)
+        gathered, new_server = _two_phase_exchange(
+            compressor, words, m, axis_name=axis_name, num_replicas=num_replicas,
+            enc_key=enc_key, server_residual=server_residual,
+            server_error_feedback=server_error_feedback,
+        )
+        return ReduceResult(compressor.decode(gathered, m, None)[:n], local[:n], new_server)
 
+    raise ValueError(f"unknown reducer {reducer!r}")
+
+
+def _segment_words(compressor: Compressor, words: jax.Array, seg: Segment) -> jax.Array:
+    """The words of a block codec's payload that encode segment ``seg`` (whole blocks)."""
+    block = compressor.alignment
+    row = compressor.payload_words(block)
+    lo = seg.offset // block * row
+    return words[..., lo:lo + seg.padded_size // block * row]
+
+
+def reduce_mean_parts(
+    compressor: Compressor,
+    parts: Sequence[jax.Array],
+    segments: Sequence[Segment],
+    *,
+    axis_name: Any,
+    num_replicas: int,
+    reducer: str,
+    key: Optional[jax.Array],
+    shared_key: Optional[jax.Array],
+    server_residual: Optional[jax.Array] = None,
+    server_error_feedback: bool = True,
+) -> PartsResult:
+    """:func:`reduce_mean` of the bucket held as one array per segment (``parts[i]`` is
+    ``segments[i].padded_size`` long; the segments lie back to back).
+
+    Block codecs (``chunkable``) encode and decode each part on its own: no block spans
+    two segments, so the payload is the concatenation of the parts' payloads: bit for bit
+    the words that encoding the joined bucket gives (stochastic rounding noise is drawn
+    by position in the bucket, ``start``). The full-size bucket is then never written, only
+    its words, and each segment's mean is decoded straight from its own words. Other
+    compressors see the joined bucket (:func:`reduce_mean`).
+
+    Returns the mean and the local decode of each segment (``segments[i].size`` long,
+    padding dropped) and the two-phase server residual.
+    """
+    if not compressor.chunkable or not segments or reducer == "allreduce":
+        res = reduce_mean(
+            compressor, flat_bucket.concat(parts), axis_name=axis_name,
+            num_replicas=num_replicas, reducer=reducer, key=key, shared_key=shared_key,
+            server_residual=server_residual, segments=segments,
+            server_error_feedback=server_error_feedback,
+        )
+        return PartsResult(flat_bucket.cut(res.mean, segments), flat_bucket.cut(res.local, segments),
+                           res.server_residual)
+    enc_key = shared_key if compressor.shared_randomness else key
+    words, locals_ = [], []
+    for p, s in zip(parts, segments):
+        w, local = compressor.encode_and_decode(p, enc_key, start=s.offset)
+        words.append(w)
+        locals_.append(local[:s.size])
+    server = jnp.zeros((0,), jnp.float32) if server_residual is None else server_residual
+    if reducer == "none" or num_replicas <= 1 or axis_name is None:
+        return PartsResult(list(locals_), locals_, server)
+    words = jnp.concatenate(words)
+    if reducer == "allgather":
+        gathered = _compat.all_gather_invariant(words, axis_name, tiled=False)  # [N, P]
+        means = []
+        for s in segments:
+            w = _segment_words(compressor, gathered, s)
+            total = jnp.zeros((s.padded_size,), jnp.float32)
+            # Replica order is fixed, so every replica computes the identical sum.
+            for r in range(num_replicas):
+                total = total + compressor.decode(w[r], s.padded_size)
+            means.append(total[:s.size] / num_replicas)
+        return PartsResult(means, locals_, server)
+    if reducer == "two_phase":
+        n = sum(s.padded_size for s in segments)
+        m = reduced_length(compressor, n, num_replicas, reducer)
+        if m > n:
+            # Whole zero blocks up to a multiple of N blocks: their encoding, once.
+            zeros = jnp.zeros((m - n,), jnp.float32)
+            words = jnp.concatenate([words, compressor.encode(zeros, enc_key, start=n)])
+        gathered, new_server = _two_phase_exchange(
+            compressor, words, m, axis_name=axis_name, num_replicas=num_replicas,
+            enc_key=enc_key, server_residual=server_residual,
+            server_error_feedback=server_error_feedback,
+        )
+        means = [compressor.decode(_segment_words(compressor, gathered, s), s.padded_size)[:s.size]
+                 for s in segments]
+        return PartsResult(means, locals_, new_server)
     raise ValueError(f"unknown reducer {reducer!r}")

@@ -24,7 +24,7 @@ from commjax import _compat
 from commjax.layout import shard_state, state_specs
 
 __all__ = ["Task", "noniid_classification", "TrainResult", "train", "mlp_params", "mlp_apply",
-           "block_codecs", "ready", "same_bits"]
+           "block_codecs", "ready", "same_bits", "flat_residual"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,3 +262,22 @@ def same_bits(a: Any, b: Any) -> bool:
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     return len(la) == len(lb) and all(
         np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True) for x, y in zip(la, lb))
+
+
+def flat_residual(state: Any, num_replicas: int = 1, segments: Optional[Any] = None) -> np.ndarray:
+    """A compressed-mean state's worker residuals as one ``[num_replicas, n]`` array, from a
+    state laid out with a leading replica axis (:func:`commjax.shard_state`) or, with
+    ``num_replicas=1``, a local one. The leaves' residuals lie side by side in plan order;
+    given the plan's ``segments``, each sits at its segment's offset in the padded bucket
+    layout instead (zeros in the padding)."""
+    parts = [np.asarray(jax.device_get(r)).reshape(num_replicas, -1) for r in state.residual]
+    if segments is None:
+        return np.concatenate(parts, axis=1) if parts else np.zeros((num_replicas, 0), np.float32)
+    segments = list(segments)
+    if len(segments) != len(parts):
+        raise ValueError(f"flat_residual: {len(parts)} residuals but {len(segments)} segments")
+    total = sum(s.padded_size for s in segments)
+    out = np.zeros((num_replicas, total), parts[0].dtype if parts else np.float32)
+    for part, seg in zip(parts, segments):
+        out[:, seg.offset:seg.offset + seg.size] = part
+    return out

@@ -28,7 +28,7 @@ from commjax import _compat, bucket as flat_bucket
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
-from commjax.reducers import check_reducer, reduce_mean
+from commjax.reducers import check_reducer, reduce_mean_parts
 
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
 
@@ -46,9 +46,11 @@ class CompressedMeanState(NamedTuple):
       key: uint32[2] raw PRNG key, replicated. Per-step and per-replica keys are folded
         from it (``fold_in(fold_in(key, count), axis_index)``), so it never needs to differ
         between replicas and is never split in the state.
-      residual: per-replica worker error-feedback residual, the compressed bucket laid out
-        flat (``float32`` or ``residual_dtype``); shape ``[0]`` without error feedback and
-        for a lossless compressor (the identity), whose residual would always be zero.
+      residual: per-replica worker error-feedback residuals, a tuple with one flat array
+        (``float32`` or ``residual_dtype``) per compressed leaf, in the order of
+        ``communication_plan(...).segments``; ``()`` without error feedback and for a
+        lossless compressor (the identity), whose residual would always be zero. Kept per
+        leaf so that the step reads and writes each in place, never a joined copy.
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
         chunk of the bucket; shape ``[0]`` for other reducers.
       compressor_state: replicated state of a compressor with its own exchange (PowerSGD's
@@ -61,7 +63,7 @@ class CompressedMeanState(NamedTuple):
 
     count: jax.Array
     key: jax.Array
-    residual: jax.Array
+    residual: tuple
     server_residual: jax.Array
     compressor_state: Any
     metrics: dict
@@ -167,14 +169,13 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                                  / _compat.axis_size(inner)).astype(l.dtype)
             for l, r in zip(leaves, plan.routes)
         ]
-    if state.residual.shape[0] not in (0, plan.compressed_size) or (
-        cfg.error_feedback and not cfg.compressor.lossless and plan.compressed_size
-        and state.residual.shape[0] == 0
-    ):
+    want = tuple((s.size,) for s in plan.segments) if cfg.error_feedback and not cfg.compressor.lossless else ()
+    have = tuple(tuple(jnp.shape(r)) for r in state.residual)
+    if have != want:
         raise ValueError(
-            f"compressed_mean: the state's residual has {state.residual.shape[0]} elements but "
-            f"these gradients need {plan.compressed_size}: was the state made by init() for "
-            "other parameters?"
+            f"compressed_mean: the state's residual holds arrays of shapes {have} but these "
+            f"gradients need {want} (one per compressed leaf): was the state made by init() "
+            "for other parameters or other options?"
         )
     if state.server_residual.shape[0] != plan.server_residual_size:
         raise ValueError(
@@ -228,13 +229,11 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             out[i] = m.astype(leaves[i].dtype)
     elif comp_idx:
         # x_i = g_i + e_i, one padded part per leaf.
-        parts = []
-        for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
+        xs = []
+        for k, i in enumerate(comp_idx):
             g = jnp.ravel(leaves[i]).astype(jnp.float32)
-            g = jnp.pad(g, (0, seg.padded_size - seg.size))
-            if ef:
-                g = g + state.residual[seg.offset:seg.offset + seg.padded_size].astype(jnp.float32)
-            parts.append(g)
+            xs.append(g + state.residual[k].astype(jnp.float32) if ef else g)
+        parts = [jnp.pad(x, (0, seg.padded_size - seg.size)) for x, seg in zip(xs, plan.segments)]
         if check and not cfg.compressor.leaf_local:
             # A non-finite leaf would spoil the others' encoding: it contributes zeros.
             # (Leaf-local codecs keep it in its own blocks, and its mean is NaN anyway.)
@@ -243,14 +242,14 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             parts = lax.cond(
                 jnp.all(jnp.stack(local_ok)), lambda ps: list(ps),
                 lambda ps: [jnp.where(ok, p, 0.0) for p, ok in zip(ps, local_ok)], parts)
+            xs = [p[:seg.size] for p, seg in zip(parts, plan.segments)]
         if bucket is not None and axis is not None:
             # Sequence the exact all-reduce before the compressed collectives: XLA may
             # otherwise start independent collectives in a different order on different
             # devices, which deadlocks runtimes that rendezvous per collective (CPU).
             bucket, parts = lax.optimization_barrier((bucket, parts))
-        # The flat bucket; compressors that work per leaf never read it (XLA drops it).
-        x = flat_bucket.concat(parts)
-        comp_metrics = cfg.compressor.local_metrics(x, plan.segments)
+        if cfg.compressor.metric_names:
+            comp_metrics = cfg.compressor.local_metrics(flat_bucket.concat(parts), plan.segments)
         if cfg.compressor.has_exchange:
             means, locals_, comp_state = cfg.compressor.exchange_parts(
                 parts, plan.segments, state.compressor_state,
@@ -265,17 +264,14 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                     lambda new, old: jnp.where(any_bad, old, new), comp_state, state.compressor_state
                 )
         else:
-            res = reduce_mean(
-                cfg.compressor, x, axis_name=axis, num_replicas=n_rep, reducer=plan.reducer,
-                key=replica_key, shared_key=step_key,
+            # Block codecs encode leaf by leaf: the joined bucket is never written.
+            res = reduce_mean_parts(
+                cfg.compressor, parts, plan.segments, axis_name=axis, num_replicas=n_rep,
+                reducer=plan.reducer, key=replica_key, shared_key=step_key,
                 server_residual=state.server_residual if plan.server_residual_size else None,
-                segments=plan.segments, server_error_feedback=cfg.server_error_feedback,
+                server_error_feedback=cfg.server_error_feedback,
             )
-            means = flat_bucket.cut(res.mean, plan.segments)
-            locals_ = flat_bucket.cut(res.local, plan.segments)
-            # The residual reads x from the joined bucket, so that the parts are only
-            # ever written once, into it.
-            parts = flat_bucket.cut(x, plan.segments)
+            means, locals_ = res.means, res.locals
             if plan.server_residual_size:
                 new_server = res.server_residual
                 if check:
@@ -291,18 +287,18 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 m = jnp.where(global_bad[k], jnp.nan, m)
             out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
             if ef:
-                lo, hi = seg.offset, seg.offset + seg.size
                 # Compilers may fuse decode's last multiply into this subtraction (FMA):
                 # then e' is x - C(x) rounded once instead of twice (<= 1 ulp apart).
-                e = (parts[k][:seg.size] - locals_[k]).astype(cfg.residual_dtype)
+                e = (xs[k] - locals_[k]).astype(cfg.residual_dtype)
                 if check:
-                    e = jnp.where(global_bad[k], state.residual[lo:hi], e)
-                res_parts.append(jnp.pad(e, (0, seg.padded_size - seg.size)))
+                    e = jnp.where(global_bad[k], state.residual[k], e)
+                res_parts.append(e)
         if ef:
-            new_residual = flat_bucket.concat(res_parts)
+            new_residual = tuple(res_parts)
 
     metrics = {
-        "residual_norm": jnp.linalg.norm(new_residual.astype(jnp.float32)).reshape(1),
+        "residual_norm": jnp.sqrt(sum((jnp.sum(jnp.square(e.astype(jnp.float32))) for e in new_residual),
+                                      jnp.zeros((), jnp.float32))).reshape(1),
         "nonfinite": (jnp.any(jnp.stack(global_bad)) if global_bad else jnp.zeros((), bool))
         .astype(jnp.float32).reshape(1),
     }
@@ -437,7 +433,7 @@ def compressed_mean(
         leaves = jax.tree_util.tree_leaves(params)
         n_rep = _num_replicas_now(cfg)
         plan = cfg.plan(leaves, n_rep)
-        n = plan.compressed_size if cfg.error_feedback and not compressor.lossless else 0
+        ef = cfg.error_feedback and not compressor.lossless
         key = jax.random.PRNGKey(cfg.seed)
         comp_state = ()
         if compressor.has_exchange and plan.segments:
@@ -449,7 +445,8 @@ def compressed_mean(
         return CompressedMeanState(
             count=jnp.zeros((), jnp.int32),
             key=key,
-            residual=jnp.zeros((n,), cfg.residual_dtype),
+            residual=tuple(jnp.zeros((seg.size,), cfg.residual_dtype) for seg in plan.segments)
+            if ef else (),
             server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
             compressor_state=comp_state,
             metrics=metrics,

@@ -105,17 +105,20 @@ def test_restore_puts_each_replica_residual_on_its_own_device(tmp_path, mesh):
     params, tx, state = _state(mesh)
     cms = state[0]
     # Give every replica a different residual.
-    residual = jax.device_put(jnp.arange(cms.residual.size, dtype=jnp.float32),
-                              NamedSharding(mesh, P("data")))
+    assert len(cms.residual) >= 1
+    residual = tuple(jax.device_put(jnp.arange(r.size, dtype=jnp.float32) + 1000 * k,
+                                    NamedSharding(mesh, P("data")))
+                     for k, r in enumerate(cms.residual))
     state = (cms._replace(residual=residual, count=cms.count + 5),) + tuple(state[1:])
     save(tmp_path / "c", 7, {"opt": state})
     assert latest_step(tmp_path / "c") == 7
     _, _, template = _state(mesh)
     got = restore(tmp_path / "c", {"opt": template})["opt"]
-    assert got[0].residual.sharding == template[0].residual.sharding
-    want_shards = {s.device: np.asarray(s.data) for s in residual.addressable_shards}
-    for s in got[0].residual.addressable_shards:
-        np.testing.assert_array_equal(np.asarray(s.data), want_shards[s.device])
+    for back, saved, like in zip(got[0].residual, residual, template[0].residual):
+        assert back.sharding == like.sharding
+        want_shards = {s.device: np.asarray(s.data) for s in saved.addressable_shards}
+        for s in back.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), want_shards[s.device])
     assert int(got[0].count) == 5
     assert got[0].count.sharding.spec == P()
 

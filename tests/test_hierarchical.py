@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
-from commjax.testing import block_codecs, ready
+from commjax.testing import block_codecs, flat_residual, ready
 
 COMPRESSORS = block_codecs()
 DEV = ("dcn", "ici")
@@ -112,10 +112,11 @@ def test_error_feedback_telescopes_and_all_8_devices_agree(mesh, grads, name, re
         for k in total:
             total[k] += np.asarray(out[k])[0].astype(np.float64)
         errs.append(max(np.max(np.abs(np.asarray(out[k])[0] - truth[k])) for k in keys))
-    res = np.asarray(state.residual, np.float64).reshape(2, -1)
     if comp.lossless:  # nothing to feed back: no residual is kept
-        assert res.size == 0
+        assert state.residual == ()
         res = np.zeros((2, plan.compressed_size))
+    else:
+        res = flat_residual(state, 2, plan.segments).astype(np.float64)
     srv = np.asarray(state.server_residual, np.float64).reshape(-1)
     comp_keys = [keys[i] for i, r in enumerate(plan.routes) if r == "compress"]
     assert comp_keys == ["v", "w"]
@@ -158,10 +159,9 @@ def test_inner_devices_share_the_outer_state(mesh, grads):
     tx, state, step = _setup(COMPRESSORS["q2"], mesh)
     _, state = step(*ready(grads, state))
     ready(state)
-    res = np.asarray(state.residual)
-    half = res.shape[0] // 2
-    assert res.shape[0] == 2 * tx.init(_params()).residual.shape[0]
-    assert not np.array_equal(res[:half], res[half:])
+    res = flat_residual(state, 2)
+    assert [2 * r.shape[0] for r in tx.init(_params()).residual] == [r.shape[0] for r in state.residual]
+    assert not np.array_equal(res[0], res[1])
     assert np.all(np.isfinite(res))
 
 
@@ -230,11 +230,10 @@ def test_nonfinite_on_one_device_poisons_every_device_but_not_the_state(mesh, gr
     plan = _plan(COMPRESSORS["q4"])
     seg = plan.segments[[i for i, r in enumerate(plan.routes) if r == "compress"].index(3)]
     assert plan.shapes[3] == SHAPES["w"]  # leaves in key order: b, s, v, w
-    new, old = np.asarray(state_bad.residual), np.asarray(state.residual)
-    n = old.shape[0] // 2
-    for r in range(2):
-        lo, hi = r * n + seg.offset, r * n + seg.offset + seg.padded_size
-        np.testing.assert_array_equal(new[lo:hi], old[lo:hi])
+    new = flat_residual(state_bad, 2, plan.segments)
+    old = flat_residual(state, 2, plan.segments)
+    lo, hi = seg.offset, seg.offset + seg.padded_size
+    np.testing.assert_array_equal(new[:, lo:hi], old[:, lo:hi])
     assert not np.array_equal(new, old)
     np.testing.assert_array_equal(np.asarray(state_bad.server_residual),
                                   np.asarray(state.server_residual))

@@ -26,6 +26,7 @@ import commjax as cj
 from commjax import _compat
 from commjax.layout import per_replica
 from commjax.metrics import compressed_mean_states, local_metrics, replica_metrics, step_metrics
+from commjax.testing import flat_residual
 
 N = 4
 AX = "data"
@@ -181,7 +182,7 @@ def test_multisteps_equals_hand_accumulation_and_one_exchange_per_real_step(mesh
     # The compressed mean advanced once per real step, with the same residuals and keys.
     assert int(np.asarray(cm_state(inner_state).count).ravel()[0]) == real_steps
     assert_trees_equal(cm_state(inner_state), cm_state(state))
-    assert float(np.max(np.asarray(cm_state(state).residual))) > 0  # EF actually in play
+    assert float(np.max(flat_residual(cm_state(state), N))) > 0  # EF actually in play
 
 
 def test_multisteps_state_lays_out_and_reports_metrics(mesh):
@@ -191,7 +192,7 @@ def test_multisteps_state_lays_out_and_reports_metrics(mesh):
     state = cj.shard_state(ms.init(params), mesh, AX)
     specs = cj.state_specs(state, AX)
     s = cm_state(specs)
-    assert s.residual == P(AX) and s.count == P()
+    assert s.residual == (P(AX),) * len(s.residual) and s.residual and s.count == P()
     assert all(sp == P(AX) for sp in jax.tree_util.tree_leaves(
         specs.acc_grads, is_leaf=lambda x: isinstance(x, P)))
     assert specs.mini_step == P()
@@ -224,7 +225,7 @@ def test_inject_hyperparams_learning_rate_changes_take_effect(mesh):
     for a, b in zip(jax.tree_util.tree_leaves(u_lo), jax.tree_util.tree_leaves(u_hi)):
         np.testing.assert_allclose(np.asarray(b), 3.0 * np.asarray(a), rtol=1e-5, atol=1e-8)
     assert float(np.asarray(s2b.hyperparams["learning_rate"])) == pytest.approx(0.3)
-    assert cm_state(s2b).residual.sharding.spec == P(AX)
+    assert all(r.sharding.spec == P(AX) for r in cm_state(s2b).residual)
 
 
 # ------------------------------------------------------------------------ apply_if_finite
@@ -242,8 +243,8 @@ def test_apply_if_finite_after_compressed_mean_skips_nan_step_everywhere(mesh):
     assert_trees_equal(before[0], after[0])  # parameters unchanged by the NaN step
     assert all(np.all(np.asarray(u) == 0) for u in jax.tree_util.tree_leaves(after[1]))
     cm_before, cm_after = cm_state(before[2]), cm_state(after[2])
-    np.testing.assert_array_equal(np.asarray(cm_before.residual), np.asarray(cm_after.residual))
-    assert np.all(np.isfinite(np.asarray(cm_after.residual)))
+    np.testing.assert_array_equal(flat_residual(cm_before, N), flat_residual(cm_after, N))
+    assert np.all(np.isfinite(flat_residual(cm_after, N)))
     assert float(np.max(np.asarray(cm_after.metrics["nonfinite"]))) == 1.0
     finite_state = state[1]
     assert int(np.asarray(finite_state.total_notfinite)) == 1
@@ -305,7 +306,7 @@ def test_partition_leaves_exempt_parts_exact(mesh, partition_run):
     # Two compressed-mean states, one per group; only the compressed one keeps residuals.
     found = compressed_mean_states(state_p)
     assert len(found) == 2
-    sizes = sorted(int(np.asarray(s.residual).size) for _, s in found)
+    sizes = sorted(flat_residual(s, N).size for _, s in found)
     assert sizes == [0, N * DIM * HIDDEN]
 
 
@@ -321,11 +322,11 @@ def test_masked_pair_equals_partition(mesh, partition_run):
     pm, sm, _ = run(masked, mesh, 2)
     pp, sp, _ = partition_run
     assert_trees_equal(pm, pp)
-    rm = sorted(int(np.asarray(s.residual).size) for _, s in compressed_mean_states(sm))
+    rm = sorted(flat_residual(s, N).size for _, s in compressed_mean_states(sm))
     assert rm == [0, N * DIM * HIDDEN]
-    res_m = [s.residual for _, s in compressed_mean_states(sm) if s.residual.size]
-    res_p = [s.residual for _, s in compressed_mean_states(sp) if s.residual.size]
-    np.testing.assert_array_equal(np.asarray(res_m[0]), np.asarray(res_p[0]))
+    res_m = [flat_residual(s, N) for _, s in compressed_mean_states(sm) if s.residual]
+    res_p = [flat_residual(s, N) for _, s in compressed_mean_states(sp) if s.residual]
+    np.testing.assert_array_equal(res_m[0], res_p[0])
 
 
 def test_step_metrics_reads_every_compressed_mean_state(partition_run):
@@ -338,7 +339,7 @@ def test_step_metrics_reads_every_compressed_mean_state(partition_run):
     found = compressed_mean_states(state)
     assert ["compress" in p for p, _ in found] == [True, False], [p for p, _ in found]
     m = step_metrics(state, plans)
-    res = np.asarray(found[0][1].residual, np.float64).reshape(N, -1)
+    res = flat_residual(found[0][1], N).astype(np.float64)
     norms = np.linalg.norm(res, axis=1)
     assert len(set(np.round(norms, 6))) > 1  # replicas really hold different residuals
     assert m["residual_norm"] == pytest.approx(np.sqrt(np.mean(norms ** 2)), rel=1e-5)
@@ -435,6 +436,6 @@ def test_nnx_optimizer_matches_functional_chain(mesh):
     nnx_params = nnx.state(nnx.merge(mgd, mstate), nnx.Param)
     assert_trees_equal(nnx_params, fparams)
     assert int(np.asarray(ostate["step"][...])) == 3
-    residual = ostate["opt_state"][0]["residual"][...]
+    residual = ostate["opt_state"][0]["residual"][0][...]
     assert residual.sharding.spec == P(AX)
-    np.testing.assert_array_equal(np.asarray(residual), np.asarray(fstate[0].residual))
+    np.testing.assert_array_equal(np.asarray(residual), np.asarray(fstate[0].residual[0]))

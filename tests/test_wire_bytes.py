@@ -83,7 +83,7 @@ def test_exact_mean_is_one_all_reduce_of_the_leaves_themselves():
     """The identity keeps no residual and sends every leaf, uncopied, as an operand of the
     exact bucket's all-reduce: one collective in all."""
     tx = cj.compressed_mean(cj.identity(), "data")
-    assert tx.init(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape), PARAMS)).residual.shape == (0,)
+    assert tx.init(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape), PARAMS)).residual == ()
     rep = update_collectives(tx, PARAMS, 8)
     assert len(rep.collectives) == 1 and rep.collectives[0].kind == "all-reduce", rep.table()
     # The exact bucket (biases and NaN flags) and each of the four weight matrices.

@@ -240,17 +240,25 @@ class BlockCompressor(Compressor):
             raise ValueError(f"{self.name}: length {n} is not a multiple of the block {self.block}")
         return (n // self.block) * self.row_words
 
-    def encode_blocks(self, blocks: jax.Array, key: Optional[jax.Array]) -> jax.Array:
-        """``float32[nb, block] -> uint32[nb, row_words]``."""
+    def encode_blocks(self, blocks: jax.Array, key: Optional[jax.Array], start: int = 0) -> jax.Array:
+        """``float32[nb, block] -> uint32[nb, row_words]``. ``start`` is the position of
+        ``blocks[0, 0]`` in the vector being encoded: stochastic codecs draw their noise
+        by position (:func:`commjax.noise.uniform`), so that encoding a vector piece by
+        piece gives the same words as encoding it whole."""
         raise NotImplementedError
 
     def decode_blocks(self, rows: jax.Array) -> jax.Array:
         """``uint32[nb, row_words] -> float32[nb, block]``."""
         raise NotImplementedError
 
-    def encode(self, x, key, segments=None):
-        rows = self.encode_blocks(x.reshape(-1, self.block), key)
+    def encode(self, x, key, segments=None, *, start: int = 0):
+        """``float32[n] -> uint32[payload_words(n)]``; ``start``: see :meth:`encode_blocks`."""
+        rows = self.encode_blocks(x.reshape(-1, self.block), key, start)
         return rows.reshape(-1)
+
+    def encode_and_decode(self, x, key, segments=None, *, start: int = 0):
+        words = self.encode(x, key, segments, start=start)
+        return words, self.decode(words, x.shape[0], segments)
 
     def decode(self, payload, n, segments=None):
         rows = payload.reshape(n // self.block, self.row_words)

@@ -30,7 +30,7 @@ class Identity(BlockCompressor):
     def row_words(self) -> int:
         return 1
 
-    def encode_blocks(self, blocks, key):
+    def encode_blocks(self, blocks, key, start=0):
         return lax.bitcast_convert_type(blocks.astype(jnp.float32), jnp.uint32)
 
     def decode_blocks(self, rows):
@@ -81,7 +81,7 @@ class Cast(BlockCompressor):
             x = jnp.clip(x, -65504.0, 65504.0)
         return x.astype(self.dtype)
 
-    def encode_blocks(self, blocks, key):
+    def encode_blocks(self, blocks, key, start=0):
         half = lax.bitcast_convert_type(self._round(blocks), jnp.uint16)  # [nb, 2]
         return lax.bitcast_convert_type(half, jnp.uint32)[:, None]
 

@@ -35,7 +35,7 @@ def _safe_recip(s: jax.Array) -> jax.Array:
     return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
 
 
-def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool) -> Optional[jax.Array]:
+def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool, start: int = 0) -> Optional[jax.Array]:
     """The noise ``u ~ U[0, 1)`` of stochastic rounding, ``floor(q + u)`` (``None``: round
     to nearest). Counter-based (:func:`commjax.noise.uniform`): one value per element and
     step is needed, and Threefry cost more than the rest of the step on CPU."""
@@ -43,11 +43,11 @@ def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool
         return None
     if key is None:
         raise ValueError("a stochastic compressor needs a PRNG key")
-    return noise.uniform(key, shape)
+    return noise.uniform(key, shape, start=start)
 
 
-def _round_levels(q: jax.Array, key: Optional[jax.Array], stochastic: bool) -> jax.Array:
-    u = _uniforms(key, q.shape, stochastic)
+def _round_levels(q: jax.Array, key: Optional[jax.Array], stochastic: bool, start: int = 0) -> jax.Array:
+    u = _uniforms(key, q.shape, stochastic, start)
     return jnp.round(q) if u is None else jnp.floor(q + u)
 
 
@@ -133,11 +133,11 @@ class Quantize(_ScaledCodec):
 
     _divisor: ClassVar[Optional[str]] = "levels"
 
-    def encode_blocks(self, blocks, key):
+    def encode_blocks(self, blocks, key, start=0):
         # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale],
         # fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
         # exactly these operations).
-        u = _uniforms(key, blocks.shape, self.stochastic_rounding)
+        u = _uniforms(key, blocks.shape, self.stochastic_rounding, start)
         return kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, uniforms=u, output=None)[0]
 
     def encode_with_feedback(
@@ -176,10 +176,10 @@ class QSGD(_ScaledCodec):
     def offset(self) -> int:
         return self.num_levels
 
-    def encode_blocks(self, blocks, key):
+    def encode_blocks(self, blocks, key, start=0):
         norm = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=1))
         q = jnp.abs(blocks) * (self.num_levels * _safe_recip(norm))[:, None]
-        lv = jnp.clip(_round_levels(q, key, True), 0, self.num_levels) * jnp.sign(blocks)
+        lv = jnp.clip(_round_levels(q, key, True, start), 0, self.num_levels) * jnp.sign(blocks)
         return self._pack(lv, norm)
 
     _divisor: ClassVar[Optional[str]] = "num_levels"
@@ -205,18 +205,18 @@ class TernGrad(_ScaledCodec):
     def offset(self) -> int:
         return 1
 
-    def encode_blocks(self, blocks, key):
+    def encode_blocks(self, blocks, key, start=0):
         if self.clip_sigma is None:
             # Unclipped TernGrad is 2-bit absmax quantization with L = 1 and stochastic
             # rounding: the same operations, so the same fused kernel.
-            u = _uniforms(key, blocks.shape, True)
+            u = _uniforms(key, blocks.shape, True, start)
             return kernels.quantize_blocks(blocks, bits=2, levels=1, uniforms=u, output=None)[0]
         sigma = jnp.std(blocks, axis=1, keepdims=True)
         bound = self.clip_sigma * sigma
         blocks = jnp.clip(blocks, -bound, bound)
         scale = jnp.max(jnp.abs(blocks), axis=1)
         q = blocks * _safe_recip(scale)[:, None]
-        lv = jnp.clip(_round_levels(q, key, True), -1, 1)
+        lv = jnp.clip(_round_levels(q, key, True, start), -1, 1)
         return self._pack(lv, scale)
 
     def decode_blocks(self, rows):

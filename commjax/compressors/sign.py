@@ -36,7 +36,7 @@ class Sign(BlockCompressor):
     def row_words(self) -> int:
         return words_per_plane(self.block_size) + 1
 
-    def encode_blocks(self, blocks, key):
+    def encode_blocks(self, blocks, key, start=0):
         # scale = mean |x|; bits = x >= 0; row = [pack(bits) | scale], fused in one kernel
         # pass (commjax.kernels.sign_blocks, whose reference is exactly these operations).
         return kernels.sign_blocks(blocks, output=None)[0]

@@ -93,9 +93,10 @@ class OneBitAdamState(NamedTuple):
       mu: pytree like the parameters, float32, replicated: the momentum ``m``.
       nu: pytree like the parameters, float32, replicated: the second moment ``v``,
         frozen from step ``warmup_steps`` on.
-      residual: per-replica float32 ``[n]``: worker error-feedback residual of the
-        compressed momentum bucket, laid out flat (leaf after leaf, each padded to the
-        block size). Global layout under ``shard_map``: ``[N * n]``, ``P(axis_name)``.
+      residual: per-replica worker error-feedback residuals of the compressed momentum,
+        a tuple with one float32 ``[size]`` array per compressed leaf (as
+        :class:`commjax.CompressedMeanState`). Global layout under ``shard_map``:
+        ``[N * size]`` each, ``P(axis_name)``.
       server_residual: per-replica float32 ``[n_pad / N]``: the two-phase reducer's
         residual for the chunk this replica re-encodes (``[0]`` with one replica).
     """
@@ -103,7 +104,7 @@ class OneBitAdamState(NamedTuple):
     count: jax.Array
     mu: Any
     nu: Any
-    residual: jax.Array
+    residual: tuple
     server_residual: jax.Array
 
 
@@ -133,7 +134,7 @@ class OneBitLambState(NamedTuple):
     nu_fresh: Any
     coeff: Any
     factor: Any
-    residual: jax.Array
+    residual: tuple
     server_residual: jax.Array
 
 
