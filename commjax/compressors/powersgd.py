@@ -267,7 +267,8 @@ def _transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
         return jnp.matmul(m.T, p, precision=_HIGHEST)
 
     def streamed(m, p):
-        return jnp.sum(m[:, :, None] * p[:, None, :], axis=0)
+        # P^T laid out [r, m]: each of its rows is read contiguously.
+        return jnp.sum(m[None, :, :] * p.T[:, :, None], axis=1).T
 
     if p.shape[-1] > 8:
         return dot(m, p)
@@ -292,9 +293,7 @@ def _low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
             out = out + p[:, j, None] * q[None, :, j]
         return out
 
-    if p.shape[-1] > 8:
-        return dot(p, q)
-    return lax.platform_dependent(p, q, cpu=streamed, default=dot)
+    return dot(p, q)
 
 
 # ----------------------------------------------------------------------------- compressor
