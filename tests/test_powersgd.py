@@ -526,7 +526,7 @@ def test_pmap_and_check_vma_false(mesh):
 
 @pytest.mark.parametrize("r", [1, 4, 8, 16])
 def test_thin_products_match_the_dense_ones(r):
-    """M^T P and P Q^T (computed on CPU as streaming passes for r <= 8) equal the dots."""
+    """M^T P (computed on CPU as a streaming pass for r <= 8) and P Q^T equal the dots."""
     from commjax.compressors.powersgd import _low_rank_product, _transposed_product
 
     rng = np.random.default_rng(r)
