@@ -41,3 +41,17 @@ def test_neighbours_keys_and_salts_are_uncorrelated():
     # Bit 0 of the codes (the finest level) is balanced too.
     codes = (base * (1 << 24)).astype(np.int64)
     assert abs((codes & 1).mean() - 0.5) < 0.01
+
+
+def test_start_continues_the_same_sequence():
+    """``start`` draws the slice of a longer vector's noise: pieces drawn on their own
+    and joined are bit for bit the noise of the whole (what per-leaf encoding relies on)."""
+    key = jax.random.PRNGKey(11)
+    whole = np.asarray(noise.uniform(key, (5000,), 3))
+    for lo, n in ((0, 5000), (1, 7), (256, 1024), (4999, 1), (1234, 3000)):
+        piece = np.asarray(noise.uniform(key, (n,), 3, start=lo))
+        np.testing.assert_array_equal(piece, whole[lo:lo + n])
+    shaped = np.asarray(noise.uniform(key, (4, 256), 3, start=512))
+    np.testing.assert_array_equal(shaped.ravel(), whole[512:512 + 1024])
+    # A different start is different noise, not a shifted copy of the same positions.
+    assert not np.array_equal(np.asarray(noise.uniform(key, (64,), 3, start=1)), whole[:64])
