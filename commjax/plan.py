@@ -8,8 +8,9 @@ number of replicas, so it is computed at trace time (and by users, to report byt
   two dimensions (biases, norms) unless ``compress_vectors=True``, are averaged exactly,
   all together, in one fp32 all-reduce (the *exact bucket*);
 * the other floating leaves are flattened, each padded to the compressor's alignment (so
-  no block mixes two leaves), and concatenated into one flat *compressed bucket* that is
-  encoded and reduced in one go;
+  no block mixes two leaves), and laid out back to back as one flat *compressed bucket*
+  (``segments``) that is reduced in one go: one payload, one set of collectives (block
+  codecs and PowerSGD never write the joined float vector, only its payload);
 * one fp32 flag per compressed leaf rides along in the exact bucket's all-reduce, so a
   NaN/Inf on any replica is seen by all of them at no extra collective.
 """

@@ -8,6 +8,12 @@ One step on replica ``i`` of ``N`` (all leaves of the compressed bucket at once)
     e_i  <- x_i - decode(p_i)              # worker residual (if error_feedback)
     return m
 
+The compressed leaves form one *bucket* (one payload, one set of collectives), but its
+full-size float vector is never written: ``x``, the residual and the mean are kept per
+leaf, block codecs encode each leaf into its share of the payload words
+(:func:`commjax.reducers.reduce_mean_parts`) and PowerSGD works leaf by leaf. Only
+codecs whose selection spans leaves (top-k, random-k, threshold) join ``x``.
+
 Small, 1-D and otherwise uncompressible floating leaves are averaged exactly in one fused
 fp32 all-reduce; integer leaves pass through. See :mod:`commjax.plan` for the routing and
 :mod:`commjax.reducers` for the bytes each reducer sends.
