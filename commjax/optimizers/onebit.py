@@ -436,25 +436,36 @@ def onebit_adam(
         t1 = state.count + 1
         bc1 = _bias(cfg.b1, t1, cfg.bias_correction)
 
+        # Only the exchange is staged: a conditional's operands and results are whole
+        # buffers, so the moment updates live outside it, where they fuse. (With the
+        # moments inside, the step of the 13.7M-parameter benchmark took twice as long.)
         def warm(ops):
-            grads, mu, nu, res, srv = ops
-            g = _exact_mean(cfg, grads, n_rep)
-            mu = [cfg.b1 * m + (1 - cfg.b1) * x for m, x in zip(mu, g)]
-            nu = [cfg.b2 * v + (1 - cfg.b2) * x * x for v, x in zip(nu, g)]
-            bc2 = _bias(cfg.b2, t1, cfg.bias_correction)
-            steps = [_ratio(cfg, m / bc1, v / bc2, guarded=False) for m, v in zip(mu, nu)]
-            return steps, mu, nu, res, srv, _any_nonfinite(g)
+            grads, mu, res, srv = ops
+            g = _exact_mean(cfg, grads, n_rep)  # the exchanged mean gradient
+            return g, res, srv
 
         def comp(ops):
-            grads, mu, nu, res, srv = ops
+            grads, mu, res, srv = ops
             local = [cfg.b1 * m + (1 - cfg.b1) * g.astype(jnp.float32) for m, g in zip(mu, grads)]
-            mu, res, srv = _compressed_mean(cfg, local, treedef, res, srv, state.count)
-            bc2 = _bias(cfg.b2, jnp.asarray(cfg.warmup_steps), cfg.bias_correction)
-            steps = [_ratio(cfg, m / bc1, v / bc2, guarded=True) for m, v in zip(mu, nu)]
-            return steps, mu, nu, res, srv, _any_nonfinite(mu)
+            m_bar, res, srv = _compressed_mean(cfg, local, treedef, res, srv, state.count)
+            return m_bar, res, srv  # the exchanged momentum
 
-        steps, new_mu, new_nu, res, srv, bad = _stage(
-            cfg, state.count, warm, comp, (grads, mu, nu, state.residual, state.server_residual))
+        mean, res, srv = _stage(cfg, state.count, warm, comp,
+                                (grads, mu, state.residual, state.server_residual))
+        if cfg.warmup_steps:
+            in_warmup = state.count < cfg.warmup_steps
+            new_mu = [jnp.where(in_warmup, cfg.b1 * m + (1 - cfg.b1) * x, x) for m, x in zip(mu, mean)]
+            new_nu = [jnp.where(in_warmup, cfg.b2 * v + (1 - cfg.b2) * x * x, v) for v, x in zip(nu, mean)]
+            bc2 = jnp.where(in_warmup, _bias(cfg.b2, t1, cfg.bias_correction),
+                            _bias(cfg.b2, jnp.asarray(cfg.warmup_steps), cfg.bias_correction))
+            steps = [jnp.where(in_warmup, _ratio(cfg, m / bc1, v / bc2, guarded=False),
+                               _ratio(cfg, m / bc1, v / bc2, guarded=True))
+                     for m, v in zip(new_mu, new_nu)]
+        else:
+            new_mu, new_nu = list(mean), nu
+            bc2 = _bias(cfg.b2, jnp.asarray(0), cfg.bias_correction)
+            steps = [_ratio(cfg, m / bc1, v / bc2, guarded=True) for m, v in zip(new_mu, new_nu)]
+        bad = _any_nonfinite(mean)
         new_state = OneBitAdamState(
             count=t1, mu=jax.tree_util.tree_unflatten(treedef, new_mu),
             nu=jax.tree_util.tree_unflatten(treedef, new_nu), residual=res, server_residual=srv,
