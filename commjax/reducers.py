@@ -155,6 +155,17 @@ def choose_reducer(
     return min(options)[2]
 
 
+def _mean_of_decoded(compressor: Compressor, words: jax.Array, n: int, num_replicas: int,
+                     segments: Optional[Sequence[Segment]] = None) -> jax.Array:
+    """``(1/N) sum_r decode(words[r], n)`` over the leading replica axis of ``words``, in
+    replica order from fp32 zeros: every replica that holds the same words computes the
+    identical sum."""
+    total = jnp.zeros((n,), jnp.float32)
+    for r in range(num_replicas):
+        total = total + compressor.decode(words[r], n, segments)
+    return total / num_replicas
+
+
 def _two_phase_exchange(
     compressor: Compressor,
     words: jax.Array,
@@ -176,10 +187,7 @@ def _two_phase_exchange(
     row = words.shape[0] // (m // block)
     rows = words.reshape(num_replicas, (chunk // block) * row)
     received = _compat.all_to_all(rows, axis_name)  # [N, chunk words], from each replica
-    mine = jnp.zeros((chunk,), jnp.float32)
-    for r in range(num_replicas):
-        mine = mine + compressor.decode(received[r], chunk, None)
-    mine = mine / num_replicas
+    mine = _mean_of_decoded(compressor, received, chunk, num_replicas)
     if server_residual is None or not server_error_feedback:
         server_in = mine
     else:
@@ -229,11 +237,8 @@ def reduce_mean(
     if reducer == "allgather":
         words, local = compressor.encode_and_decode(x, enc_key, segments)
         gathered = _compat.all_gather_invariant(words, axis_name, tiled=False)  # [N, P]
-        total = jnp.zeros((n,), jnp.float32)
-        # Replica order is fixed, so every replica computes the identical sum.
-        for r in range(num_replicas):
-            total = total + compressor.decode(gathered[r], n, segments)
-        return ReduceResult(total / num_replicas, local, empty if server_residual is None else server_residual)
+        mean = _mean_of_decoded(compressor, gathered, n, num_replicas, segments)
+        return ReduceResult(mean, local, empty if server_residual is None else server_residual)
 
     if reducer == "two_phase":
         m = reduced_length(compressor, n, num_replicas, reducer)
@@ -283,6 +288,8 @@ def reduce_mean_parts(
     padding dropped) and the two-phase server residual.
     """
     if not compressor.chunkable or not segments or reducer == "allreduce":
+        # Selections that span leaves, and linear payloads (summed, not decoded, by the
+        # all-reduce), work on the joined bucket.
         res = reduce_mean(
             compressor, flat_bucket.concat(parts), axis_name=axis_name,
             num_replicas=num_replicas, reducer=reducer, key=key, shared_key=shared_key,
@@ -303,14 +310,8 @@ def reduce_mean_parts(
     words = jnp.concatenate(words)
     if reducer == "allgather":
         gathered = _compat.all_gather_invariant(words, axis_name, tiled=False)  # [N, P]
-        means = []
-        for s in segments:
-            w = _segment_words(compressor, gathered, s)
-            total = jnp.zeros((s.padded_size,), jnp.float32)
-            # Replica order is fixed, so every replica computes the identical sum.
-            for r in range(num_replicas):
-                total = total + compressor.decode(w[r], s.padded_size)
-            means.append(total[:s.size] / num_replicas)
+        means = [_mean_of_decoded(compressor, _segment_words(compressor, gathered, s),
+                                  s.padded_size, num_replicas)[:s.size] for s in segments]
         return PartsResult(means, locals_, server)
     if reducer == "two_phase":
         n = sum(s.padded_size for s in segments)
