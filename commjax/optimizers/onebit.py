@@ -606,61 +606,76 @@ def onebit_lamb(
             return jnp.where((wn > 0) & (un > 0),
                              jnp.clip(wn / jnp.where(un > 0, un, 1.0), min_coeff, max_coeff), 1.0)
 
+        nu = _leaves_of(state.nu, treedef)
+        nu_fresh = _leaves_of(state.nu_fresh, treedef)
+        coeff = _leaves_of(state.coeff, treedef)
+        factor = _leaves_of(state.factor, treedef)
+        tw = jnp.asarray(cfg.warmup_steps)
+        bc2_frozen = _bias(cfg.b2, tw, cfg.bias_correction)
+        bc2_fresh = _bias(cfg.b2, t1, cfg.bias_correction)
+        bc_c = 1.0 - coeff_beta ** cfg.warmup_steps
+
+        def warm_update(m, v, g, x):  # moments and LAMB direction of the warm-up stage
+            m = cfg.b1 * m + (1 - cfg.b1) * g
+            v = cfg.b2 * v + (1 - cfg.b2) * g * g
+            return m, v, _ratio(cfg, m / bc1, v / bc2_fresh, guarded=False) + wd * x
+
+        def fresh_update(m, mp, vf):  # second moment of the gradients rebuilt from momenta
+            g_rec = (m - cfg.b1 * mp) / (1 - cfg.b1)
+            return cfg.b2 * vf + (1 - cfg.b2) * g_rec * g_rec
+
+        # Only the exchange and the per-leaf scalar collectives are staged: a
+        # conditional's operands and results are whole buffers, so the elementwise
+        # updates live outside it, where they fuse (as in onebit_adam).
         def warm(ops):
-            grads, mu, nu, nu_fresh, coeff, factor, res, srv = ops
-            g = _exact_mean(cfg, grads, n_rep)
-            mu = [cfg.b1 * m + (1 - cfg.b1) * x for m, x in zip(mu, g)]
-            nu = [cfg.b2 * v + (1 - cfg.b2) * x * x for v, x in zip(nu, g)]
-            bc2 = _bias(cfg.b2, t1, cfg.bias_correction)
-            us = [_ratio(cfg, m / bc1, v / bc2, guarded=False) + wd * x
-                  for m, v, x in zip(mu, nu, w)]
+            grads, mu, nu, nu_fresh, res, srv = ops
+            g = _exact_mean(cfg, grads, n_rep)  # the exchanged mean gradient
+            us = [warm_update(m, v, x_g, x)[2] for m, v, x_g, x in zip(mu, nu, g, w)]
             ratios = _replica_mean(cfg, [trust(u, x) for u, x in zip(us, w)], n_rep)
-            new_coeff = [coeff_beta * c + (1 - coeff_beta) * r for c, r in zip(coeff, ratios)]
-            steps = [r * u for r, u in zip(ratios, us)]
-            return steps, mu, nu, list(nu), new_coeff, factor, res, srv, _any_nonfinite(g)
+            return g, res, srv, ratios, list(factor)
 
         def comp(ops):
-            grads, mu_prev, nu, nu_fresh, coeff, factor, res, srv = ops
+            grads, mu_prev, nu, nu_fresh, res, srv = ops
             local = [cfg.b1 * m + (1 - cfg.b1) * g.astype(jnp.float32) for m, g in zip(mu_prev, grads)]
             mu, res, srv = _compressed_mean(cfg, local, treedef, res, srv, state.count)
-            tw = jnp.asarray(cfg.warmup_steps)
-            bc2 = _bias(cfg.b2, tw, cfg.bias_correction)
-            bc2_fresh = _bias(cfg.b2, t1, cfg.bias_correction)
-            bc_c = 1.0 - coeff_beta ** cfg.warmup_steps
-            us, new_fresh, raw = [], [], []
+            raw = []
             for m, mp, v, vf, x in zip(mu, mu_prev, nu, nu_fresh, w):
-                g_rec = (m - cfg.b1 * mp) / (1 - cfg.b1)
-                vf = cfg.b2 * vf + (1 - cfg.b2) * g_rec * g_rec
-                new_fresh.append(vf)
-                u_pre = _ratio(cfg, m / bc1, v / bc2, guarded=True)
-                u = u_pre + wd * x
-                denom = jnp.sqrt(v / bc2) + cfg.eps
+                vf = fresh_update(m, mp, vf)
+                u_pre = _ratio(cfg, m / bc1, v / bc2_frozen, guarded=True)
+                denom = jnp.sqrt(v / bc2_frozen) + cfg.eps
                 fac = jnp.max(denom / (jnp.sqrt(vf / bc2_fresh) + cfg.eps)) if v.size else jnp.ones(())
                 if wd:
-                    un = jnp.linalg.norm(u)
-                    rho = jnp.minimum(1.0, jnp.linalg.norm(u_pre) / jnp.where(un > 0, un, 1.0))
+                    u = u_pre + wd * x
+                    un_ = jnp.linalg.norm(u)
+                    rho = jnp.minimum(1.0, jnp.linalg.norm(u_pre) / jnp.where(un_ > 0, un_, 1.0))
                     fac = rho * fac + (1.0 - rho)
-                us.append(u)
                 raw.append(fac)
-            new_factor, steps = [], []
             if wd:  # the factor then depends on the (possibly per-replica) parameters
                 raw = _replica_mean(cfg, raw, n_rep)
-            for fac, f_prev, c, u in zip(raw, factor, coeff, us):
-                fac = jnp.clip(fac, factor_min, factor_max)
-                fac = jnp.clip(fac, f_prev * (1 - factor_threshold), f_prev * (1 + factor_threshold))
-                new_factor.append(fac)
-                steps.append((c / bc_c) * fac * u)
-            bad = _any_nonfinite(mu)
-            return steps, mu, nu, new_fresh, coeff, new_factor, res, srv, bad
+            return mu, res, srv, [jnp.zeros((), jnp.float32) for _ in mu], raw
 
-        ops = (grads, mu, _leaves_of(state.nu, treedef), _leaves_of(state.nu_fresh, treedef),
-               _leaves_of(state.coeff, treedef), _leaves_of(state.factor, treedef),
-               state.residual, state.server_residual)
-        steps, mu, nu, fresh, coeff, factor, res, srv, bad = _stage(cfg, state.count, warm, comp, ops)
+        mean, res, srv, ratios, raw = _stage(
+            cfg, state.count, warm, comp, (grads, mu, nu, nu_fresh, state.residual, state.server_residual))
+        in_warmup = state.count < cfg.warmup_steps
+        new_mu, new_nu, new_fresh, new_coeff, new_factor, steps = [], [], [], [], [], []
+        for m, v, vf, c, f_prev, g, x, r, fac in zip(mu, nu, nu_fresh, coeff, factor, mean, w, ratios, raw):
+            m_w, v_w, u_w = warm_update(m, v, g, x)
+            # Compression stage: `g` is the exchanged momentum; the second moment is frozen.
+            vf_c = fresh_update(g, m, vf)
+            u_c = _ratio(cfg, g / bc1, v / bc2_frozen, guarded=True) + wd * x
+            fac = jnp.clip(fac, factor_min, factor_max)
+            fac = jnp.clip(fac, f_prev * (1 - factor_threshold), f_prev * (1 + factor_threshold))
+            new_mu.append(jnp.where(in_warmup, m_w, g))
+            new_nu.append(jnp.where(in_warmup, v_w, v))
+            new_fresh.append(jnp.where(in_warmup, v_w, vf_c))
+            new_coeff.append(jnp.where(in_warmup, coeff_beta * c + (1 - coeff_beta) * r, c))
+            new_factor.append(jnp.where(in_warmup, f_prev, fac))
+            steps.append(jnp.where(in_warmup, r * u_w, (c / bc_c) * fac * u_c))
+        bad = _any_nonfinite(mean)
         un = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
         new_state = OneBitLambState(
-            count=t1, mu=un(mu), nu=un(nu), nu_fresh=un(fresh), coeff=un(coeff),
-            factor=un(factor), residual=res, server_residual=srv,
+            count=t1, mu=un(new_mu), nu=un(new_nu), nu_fresh=un(new_fresh), coeff=un(new_coeff),
+            factor=un(new_factor), residual=res, server_residual=srv,
         )
         new_state = _select(bad, state, new_state)
         # Weight decay is already inside u (LAMB); _finish must not add it again.
