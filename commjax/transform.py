@@ -98,6 +98,14 @@ class ExchangeConfig:
         )
 
 
+def _residual_shapes(cfg: ExchangeConfig, plan: CommunicationPlan) -> tuple[tuple[int, ...], ...]:
+    """Shape of each worker residual the state holds: one flat array per compressed leaf,
+    none without error feedback or for a lossless compressor."""
+    if not cfg.error_feedback or cfg.compressor.lossless:
+        return ()
+    return tuple((s.size,) for s in plan.segments)
+
+
 def _unbound_message(axis_name: Any) -> str:
     return (
         f"compressed_mean: mesh axis {axis_name!r} is not bound here. Gradient compression "
@@ -175,7 +183,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                                  / _compat.axis_size(inner)).astype(l.dtype)
             for l, r in zip(leaves, plan.routes)
         ]
-    want = tuple((s.size,) for s in plan.segments) if cfg.error_feedback and not cfg.compressor.lossless else ()
+    want = _residual_shapes(cfg, plan)
     have = tuple(tuple(jnp.shape(r)) for r in state.residual)
     if have != want:
         raise ValueError(
@@ -224,6 +232,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
         if check:
             # `!= 0` is also True for a NaN flag.
             global_bad = [bucket[pos + k] != 0 for k in range(len(comp_idx))]
+    any_bad = jnp.any(jnp.stack(global_bad)) if global_bad else jnp.zeros((), bool)
 
     new_residual = state.residual
     new_server = state.server_residual
@@ -265,7 +274,6 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             new_comp_state = comp_state
             if check:
                 # The flags are shared, so this keeps the replicated state replicated.
-                any_bad = jnp.any(jnp.stack(global_bad))
                 new_comp_state = jax.tree_util.tree_map(
                     lambda new, old: jnp.where(any_bad, old, new), comp_state, state.compressor_state
                 )
@@ -281,7 +289,6 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
             if plan.server_residual_size:
                 new_server = res.server_residual
                 if check:
-                    any_bad = jnp.any(jnp.stack(global_bad))
                     new_server = jnp.where(any_bad, state.server_residual, new_server)
         res_parts = []
         for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
@@ -305,8 +312,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     metrics = {
         "residual_norm": jnp.sqrt(sum((jnp.sum(jnp.square(e.astype(jnp.float32))) for e in new_residual),
                                       jnp.zeros((), jnp.float32))).reshape(1),
-        "nonfinite": (jnp.any(jnp.stack(global_bad)) if global_bad else jnp.zeros((), bool))
-        .astype(jnp.float32).reshape(1),
+        "nonfinite": any_bad.astype(jnp.float32).reshape(1),
     }
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
@@ -439,7 +445,6 @@ def compressed_mean(
         leaves = jax.tree_util.tree_leaves(params)
         n_rep = _num_replicas_now(cfg)
         plan = cfg.plan(leaves, n_rep)
-        ef = cfg.error_feedback and not compressor.lossless
         key = jax.random.PRNGKey(cfg.seed)
         comp_state = ()
         if compressor.has_exchange and plan.segments:
@@ -451,8 +456,7 @@ def compressed_mean(
         return CompressedMeanState(
             count=jnp.zeros((), jnp.int32),
             key=key,
-            residual=tuple(jnp.zeros((seg.size,), cfg.residual_dtype) for seg in plan.segments)
-            if ef else (),
+            residual=tuple(jnp.zeros(shape, cfg.residual_dtype) for shape in _residual_shapes(cfg, plan)),
             server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
             compressor_state=comp_state,
             metrics=metrics,

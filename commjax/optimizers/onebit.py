@@ -438,7 +438,8 @@ def onebit_adam(
 
         # Only the exchange is staged: a conditional's operands and results are whole
         # buffers, so the moment updates live outside it, where they fuse. (With the
-        # moments inside, the step of the 13.7M-parameter benchmark took twice as long.)
+        # moments inside, the 4-process step of the 13.7M-parameter benchmark took 0.52 s
+        # against 0.37 s, with occasional ~1 s steps.)
         def warm(ops):
             grads, mu, res, srv = ops
             g = _exact_mean(cfg, grads, n_rep)  # the exchanged mean gradient
@@ -654,6 +655,9 @@ def onebit_lamb(
                 raw = _replica_mean(cfg, raw, n_rep)
             return mu, res, srv, [jnp.zeros((), jnp.float32) for _ in mu], raw
 
+        # The compression stage's fresh second moment is computed again here (its
+        # factor, above, needed it inside the conditional): an elementwise pass instead
+        # of a gradient-sized result of the conditional.
         mean, res, srv, ratios, raw = _stage(
             cfg, state.count, warm, comp, (grads, mu, nu, nu_fresh, state.residual, state.server_residual))
         in_warmup = state.count < cfg.warmup_steps
