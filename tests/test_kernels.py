@@ -320,7 +320,7 @@ def test_encode_with_feedback():
     n = 20 * 64
     g = jnp.asarray(_rng(31).standard_normal(n, np.float32))
     e = jnp.asarray((0.3 * _rng(32).standard_normal(n)).astype(np.float32))
-    res = run_modes(lambda g, e, k: {name: c.encode_with_feedback(g, e, k) for name, c in comps.items()},
+    res = run_modes(lambda g, e, k: {name: c.encode_feedback(g, e, k) for name, c in comps.items()},
                     g, e, _key(33))
     with kernels.use_mode("reference"):
         words = jax.jit(lambda y, k: {name: c.encode(y, k) for name, c in comps.items()})(g + e, _key(33))

@@ -185,6 +185,18 @@ class Compressor:
         """``uint32[payload_words(n)] -> float32[n]``."""
         raise NotImplementedError
 
+    def decode_sum(
+        self, payloads: jax.Array, n: int, segments: Optional[Sequence[Segment]] = None
+    ) -> jax.Array:
+        """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
+        ``uint32[N, payload_words(n)]``, in replica order from fp32 zeros: every replica
+        that holds the same payloads computes the same bits. Codecs with a fused unpack +
+        dequantize + sum kernel override it."""
+        total = jnp.zeros((n,), jnp.float32)
+        for r in range(payloads.shape[0]):
+            total = total + self.decode(payloads[r], n, segments)
+        return total
+
     # Linear compressors only.
     def encode_linear(self, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
         raise TypeError(f"{self.name} payloads cannot be summed: it is not a linear compressor")
@@ -263,6 +275,16 @@ class BlockCompressor(Compressor):
     def decode(self, payload, n, segments=None):
         rows = payload.reshape(n // self.block, self.row_words)
         return self.decode_blocks(rows).reshape(n)
+
+    def encode_feedback(
+        self, x: jax.Array, residual: jax.Array, key: Optional[jax.Array], *, start: int = 0
+    ) -> tuple[jax.Array, jax.Array]:
+        """Error feedback with encoding: ``y = x + residual``; returns ``(encode(y),
+        y - decode(encode(y)))`` (fp32). Codecs with a fused kernel compute both in one
+        pass over memory; this default encodes, then decodes."""
+        y = x + residual.astype(jnp.float32)
+        words, local = self.encode_and_decode(y, key, start=start)
+        return words, y - local
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

@@ -140,17 +140,15 @@ class Quantize(_ScaledCodec):
         u = _uniforms(key, blocks.shape, self.stochastic_rounding, start)
         return kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, uniforms=u, output=None)[0]
 
-    def encode_with_feedback(
-        self, g: jax.Array, residual: jax.Array, key: Optional[jax.Array]
-    ) -> tuple[jax.Array, jax.Array]:
-        """Error feedback fused with encoding: ``y = g + residual``, returns
+    def encode_feedback(self, x, residual, key, *, start=0):
+        """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
         (:func:`commjax.kernels.quantize_blocks` with ``output="residual"``). The decoded
         value is rounded to fp32 before the subtraction (no fused multiply-add)."""
-        nb = g.shape[0] // self.block
-        u = _uniforms(key, (nb, self.block), self.stochastic_rounding)
+        nb = x.shape[0] // self.block
+        u = _uniforms(key, (nb, self.block), self.stochastic_rounding, start)
         rows, res = kernels.quantize_blocks(
-            g.reshape(nb, self.block), bits=self.bits, levels=self.levels, uniforms=u,
+            x.reshape(nb, self.block), bits=self.bits, levels=self.levels, uniforms=u,
             residual=residual.reshape(nb, self.block), output="residual",
         )
         return rows.reshape(-1), res.reshape(-1)

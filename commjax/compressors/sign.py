@@ -41,15 +41,13 @@ class Sign(BlockCompressor):
         # pass (commjax.kernels.sign_blocks, whose reference is exactly these operations).
         return kernels.sign_blocks(blocks, output=None)[0]
 
-    def encode_with_feedback(
-        self, g: jax.Array, residual: jax.Array, key: Optional[jax.Array]
-    ) -> tuple[jax.Array, jax.Array]:
-        """Error feedback fused with encoding: ``y = g + residual``, returns
+    def encode_feedback(self, x, residual, key, *, start=0):
+        """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
         (:func:`commjax.kernels.sign_blocks` with ``output="residual"``)."""
-        nb = g.shape[0] // self.block
+        nb = x.shape[0] // self.block
         rows, res = kernels.sign_blocks(
-            g.reshape(nb, self.block), residual=residual.reshape(nb, self.block), output="residual"
+            x.reshape(nb, self.block), residual=residual.reshape(nb, self.block), output="residual"
         )
         return rows.reshape(-1), res.reshape(-1)
 

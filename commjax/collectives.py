@@ -1,0 +1,1096 @@
+"""Compressed collectives: ``all_gather``, ``reduce_scatter`` and ``all_reduce`` with a codec.
+
+Pure functions for code running inside ``jax.shard_map`` (or ``jax.pmap``) over a mesh
+axis: optax transforms, optimizers, and model code alike. Each takes a pytree of arrays
+and a codec (any commjax compressor that encodes a vector into uint32 words;
+``None`` or :func:`commjax.identity` is the exact collective of ``jax.lax``) and returns
+the *decoded* result, which is identical on every replica of the axis::
+
+    from commjax import collectives as cc
+    full  = cc.all_gather(shard, "data", cj.quantize(bits=8, stochastic=False))
+    chunk = cc.reduce_scatter(grad, "data", cj.quantize(bits=4), key=key, mean=True)
+    total = cc.all_reduce(grad, "data", cj.sign())
+
+Semantics, for replica ``r`` of ``N``, codec ``C`` (``C(x) = decode(encode(x))``):
+
+==================  ====================================================  ===========================
+collective          result on every replica                               bytes sent per device
+==================  ====================================================  ===========================
+``all_gather``      ``concat_r C(x_r)`` (tiled along axis 0)              ``(N-1) P``
+``reduce_scatter``  chunk ``r`` of ``sum_s C(x_s)``, summed in replica    ``(N-1)/N * N P_c``
+                    order in fp32 (each chunk encoded on its own)         (one all-to-all)
+``all_reduce``      ``sum_s C(x_s)`` by the chosen reducer (below)        see :class:`Reducer`
+==================  ====================================================  ===========================
+
+``P`` is one replica's payload (``4 * payload_words``), ``P_c`` that of one chunk. Payloads
+travel as unsigned 32-bit words (XLA on CPU widens 16- and 8-bit float collectives) and
+quantized codes are never summed by a collective (``psum`` on small integers wraps
+around): each replica decodes what it receives and sums in fp32 itself.
+
+Layouts: leaves are flattened; each leaf (or, for ``reduce_scatter``, each leaf's chunk
+of ``size / N`` elements) is padded with zeros to the codec's alignment (whole blocks), so
+no block spans two leaves or two chunks. All leaves travel in one collective. Integer,
+boolean and complex leaves take the exact collective of ``jax.lax``.
+
+Randomness: ``key`` is a PRNG key that is the *same* on every replica; stochastic codecs
+fold in the replica index themselves, so their rounding noise differs per replica.
+
+Differentiation: the VJP of a compressed ``all_gather`` is a compressed ``reduce_scatter``
+of the cotangent with ``grad_codec`` (``None``: exact), and vice versa; ``all_reduce``'s
+VJP is an ``all_reduce``. Under ``shard_map(check_vma=True)`` a cotangent that is typed
+replicated needs no communication (as JAX's own rules do): the VJP of ``all_gather`` is
+then this replica's slice of it.
+
+Hierarchical pairs (``inner_axis_name``): a fast axis (NVLink, ICI) inside a slow one
+(DCN). ``reduce_scatter`` scatters over the inner axis first (``inner_codec``, exact by
+default), then over the outer axis (``codec``); ``all_gather`` is its inverse (outer, then
+inner). Device ``(o, i)`` holds global chunk ``i * O + o``. ``all_reduce`` takes the
+exact mean over the inner axis, then the compressed one over the outer axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import _compat, bucket as flat_bucket
+from commjax.accounting import ring_bytes
+from commjax.compressors.base import BlockCompressor, Compressor, Segment
+
+__all__ = [
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "wire_bytes",
+    "Reducer",
+    "AllReduce",
+    "AllGather",
+    "TwoPhase",
+    "REDUCERS",
+    "get_reducer",
+    "valid_reducers",
+    "choose_reducer",
+    "reduce_parts",
+    "PartsResult",
+    "exact_mean",
+    "encode_rows",
+    "decode_rows",
+    "decode_sum",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _names(axis_name: Any) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-int(n) // a) * a
+
+
+def _is_exact(codec: Optional[Compressor]) -> bool:
+    return codec is None or (codec.lossless and codec.linear)
+
+
+def _compressible(leaf: Any) -> bool:
+    """Real floating leaves go through a codec; others take the exact collective."""
+    dtype = jnp.result_type(leaf)
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def check_codec(codec: Any, where: str, argument: str = "codec") -> Optional[Compressor]:
+    """``codec`` if it can travel through a collective, else a clear error."""
+    if codec is None:
+        return None
+    if not isinstance(codec, Compressor):
+        raise TypeError(
+            f"{where}: `{argument}` must be a commjax codec such as cj.quantize(bits=8), or "
+            f"None for the exact collective; got {codec!r}."
+        )
+    if codec.has_exchange or codec.shared_randomness:
+        raise ValueError(
+            f"{where}: {codec.name} runs its own exchange (state or a key shared by every "
+            f"replica) and cannot be the codec of a single collective; use it through "
+            f"cj.compressed_mean. Codecs for `{argument}`: cj.quantize, cj.sign, cj.cast, "
+            "cj.qsgd, cj.terngrad, cj.top_k, cj.threshold, cj.identity."
+        )
+    return codec
+
+
+def check_bound(axis_name: Any, where: str) -> int:
+    """The size of ``axis_name`` where it is bound, else an error that shows the fix."""
+    if not _compat.axis_is_bound(axis_name):
+        raise NameError(
+            f"{where}: mesh axis {axis_name!r} is not bound here. Collectives run inside "
+            f"jax.shard_map (or jax.pmap) over that axis, e.g. jax.shard_map(f, mesh=mesh, "
+            f"in_specs=P({axis_name!r}), out_specs=P({axis_name!r}))."
+        )
+    return _compat.axis_size(axis_name)
+
+
+def replica_key(codec: Optional[Compressor], key: Optional[jax.Array], axis_name: Any,
+                where: str) -> Optional[jax.Array]:
+    """The key a stochastic codec encodes with on this replica: ``key`` (the same on every
+    replica) with the replica index folded in; ``None`` for deterministic codecs."""
+    if codec is None or not codec.stochastic:
+        return None
+    if key is None:
+        raise ValueError(
+            f"{where}: {codec.name} rounds stochastically and needs `key=`: pass a PRNG key "
+            "that is the same on every replica (the collective folds in the replica index), "
+            "e.g. jax.random.fold_in(jax.random.key(0), step)."
+        )
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
+def _vary_out(x: Any, axis_name: Any) -> Any:
+    return _compat.vary(x, axis_name)
+
+
+# ------------------------------------------------------------- encoding rows of a payload
+
+
+def encode_rows(codec: Compressor, rows: jax.Array, key: Optional[jax.Array], *,
+                residual: Optional[jax.Array] = None, start: int = 0):
+    """Encode each row of ``float32[R, c]`` on its own (``c`` a multiple of the codec's
+    alignment): ``uint32[R, w]``, with ``w = codec.payload_words(c)``.
+
+    With ``residual`` (``[R, c]``, error feedback) it encodes ``y = rows + residual`` and
+    also returns the new residual ``y - C(y)`` (fp32): ``(words, new_residual)``.
+    Block codecs encode the rows as one vector (noise drawn by position from ``start``);
+    other codecs encode row ``j`` with ``fold_in(key, j)``.
+    """
+    n_rows, c = rows.shape
+    if isinstance(codec, BlockCompressor):
+        flat = rows.reshape(-1)
+        if residual is None:
+            return codec.encode(flat, key, start=start).reshape(n_rows, -1)
+        words, new = codec.encode_feedback(flat, residual.reshape(-1), key, start=start)
+        return words.reshape(n_rows, -1), new.reshape(n_rows, c)
+    keys = None if key is None else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_rows))
+    y = rows if residual is None else rows + residual.astype(jnp.float32)
+    if residual is None:
+        return jax.vmap(lambda v, k: codec.encode(v, k))(y, keys)
+    words, local = jax.vmap(lambda v, k: codec.encode_and_decode(v, k))(y, keys)
+    return words, y - local
+
+
+def decode_rows(codec: Compressor, words: jax.Array, c: int) -> jax.Array:
+    """``uint32[R, w] -> float32[R, c]``: each row decoded on its own."""
+    n_rows = words.shape[0]
+    if isinstance(codec, BlockCompressor):
+        return codec.decode(words.reshape(-1), n_rows * c).reshape(n_rows, c)
+    return jax.vmap(lambda w: codec.decode(w, c))(words)
+
+
+def decode_sum(codec: Compressor, words: jax.Array, c: int) -> jax.Array:
+    """``sum_r decode(words[r], c)`` over the leading axis, in replica order from fp32 zeros:
+    every replica that holds the same words computes the same bits (the codecs' fused
+    unpack + dequantize + sum kernel where there is one)."""
+    return codec.decode_sum(words, c)
+
+
+# ------------------------------------------------------------------ tree <-> flat items
+
+
+class _Item(NamedTuple):
+    index: int  # position among the tree's leaves
+    shape: tuple
+    dtype: Any
+    size: int  # elements (of the chunk, for reduce_scatter)
+    padded: int  # size rounded up to the codec's alignment
+    words: int  # payload words of `padded` elements
+
+
+def _items(leaves: Sequence[Any], codec: Compressor, divisor: int) -> list[_Item]:
+    out = []
+    for i, leaf in enumerate(leaves):
+        if not _compressible(leaf):
+            continue
+        shape = tuple(jnp.shape(leaf))
+        size = math.prod(shape) // divisor
+        padded = _round_up(max(size, 1), codec.alignment)
+        out.append(_Item(i, shape, jnp.result_type(leaf), size, padded, codec.payload_words(padded)))
+    return out
+
+
+def _check_tiled(leaves: Sequence[Any], n: int, where: str) -> None:
+    for leaf in leaves:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"{where}: every leaf's leading dimension must be a multiple of the number of "
+                f"replicas ({n}); got a leaf of shape {tuple(shape)}. Pad or reshape it first "
+                "(cj.zero and cj.fsdp_gather do this for you)."
+            )
+
+
+# ---------------------------------------------------------------------- all_gather
+
+
+def _gather_impl(tree, axis_name, codec, key, invariant: bool):
+    """``all_gather`` over one axis (tiled along axis 0, leaves of rank >= 1)."""
+    n = _compat.axis_size(axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    gather = (functools.partial(_compat.all_gather_invariant, axis_name=axis_name, tiled=True)
+              if invariant else
+              (lambda v: lax.all_gather(_vary_out(v, axis_name), axis_name, tiled=True)))
+    if _is_exact(codec):
+        return jax.tree_util.tree_unflatten(treedef, [gather(l) for l in leaves])
+    items = _items(leaves, codec, 1)
+    out = list(leaves)
+    for i in {it.index for it in items} ^ set(range(len(leaves))):
+        out[i] = gather(leaves[i])
+    if items:
+        rkey = replica_key(codec, key, axis_name, "all_gather")
+        words, start = [], 0
+        for it in items:
+            flat = jnp.pad(jnp.ravel(leaves[it.index]).astype(jnp.float32), (0, it.padded - it.size))
+            words.append(encode_rows(codec, flat[None], rkey, start=start)[0])
+            start += it.padded
+        got = gather(jnp.concatenate(words)[None])  # [N, W], replica r's words in row r
+        off = 0
+        for it in items:
+            vals = decode_rows(codec, got[:, off:off + it.words], it.padded)[:, :it.size]
+            out[it.index] = vals.reshape((n * it.shape[0],) + it.shape[1:]).astype(it.dtype)
+            off += it.words
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _slice_own(tree, axis_name, inner_axis_name):
+    """This replica's chunk of a replicated (full) tree: the VJP of a gather whose
+    cotangent is typed replicated."""
+    names = _names(axis_name)
+    n_out = _compat.axis_size(axis_name)
+    idx = lax.axis_index(axis_name)
+    n_in = 1
+    if inner_axis_name is not None:
+        n_in = _compat.axis_size(inner_axis_name)
+        idx = lax.axis_index(inner_axis_name) * n_out + idx
+        names = names + _names(inner_axis_name)
+    total = n_out * n_in
+
+    def one(ct):
+        rows = ct.shape[0] // total
+        return lax.dynamic_slice_in_dim(_vary_out(ct, names), idx * rows, rows, axis=0)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _replicated_cotangent(tree, axis_name) -> bool:
+    """Under check_vma=True, whether the cotangent is typed replicated over the axis."""
+    tracked = _compat.varying_axes(lax.axis_index(axis_name))
+    if not tracked:
+        return False
+    leaves = jax.tree_util.tree_leaves(tree)
+    return bool(leaves) and all(
+        not (set(_names(axis_name)) & set(_compat.varying_axes(l) or ())) for l in leaves)
+
+
+def _gather_two_level(tree, cfg: "_GatherConfig", key):
+    outer = _gather_impl(tree, cfg.axis_name, cfg.codec, key, cfg.invariant)
+    if cfg.inner_axis_name is None:
+        return outer
+    inner_key = None if key is None else jax.random.fold_in(key, 2)
+    return _gather_impl(outer, cfg.inner_axis_name, cfg.inner_codec, inner_key, cfg.invariant)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherConfig:
+    axis_name: Any
+    codec: Optional[Compressor]
+    grad_codec: Optional[Compressor]
+    inner_axis_name: Any
+    inner_codec: Optional[Compressor]
+    inner_grad_codec: Optional[Compressor]
+    invariant: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_vjp(cfg: _GatherConfig, tree, key):
+    return _gather_two_level(tree, cfg, key)
+
+
+def _gather_fwd(cfg, tree, key):
+    return _gather_two_level(tree, cfg, key), key
+
+
+def _gather_bwd(cfg, key, ct):
+    if _replicated_cotangent(ct, cfg.axis_name):
+        return _slice_own(ct, cfg.axis_name, cfg.inner_axis_name), None
+    grad_key = None if key is None else jax.random.fold_in(key, 1)
+    out, _ = _scatter_two_level(ct, _ScatterConfig(
+        cfg.axis_name, cfg.grad_codec, None, cfg.inner_axis_name, cfg.inner_grad_codec, False,
+    ), grad_key)
+    return out, None
+
+
+_gather_vjp.defvjp(_gather_fwd, _gather_bwd)
+
+
+def all_gather(
+    x: Any,
+    axis_name: Any,
+    codec: Optional[Compressor] = None,
+    *,
+    grad_codec: Optional[Compressor] = None,
+    key: Optional[jax.Array] = None,
+    inner_axis_name: Any = None,
+    inner_codec: Optional[Compressor] = None,
+    inner_grad_codec: Optional[Compressor] = None,
+    invariant: bool = False,
+) -> Any:
+    """All-gather ``x`` (a pytree of shards) over ``axis_name``, each shard sent encoded.
+
+    Every replica gets ``concat_r C(x_r)`` along axis 0 (shape ``[N * a, ...]`` for a shard
+    ``[a, ...]``), the owner's own shard included as decoded, so all replicas hold the same
+    bits. Bytes per device: ``(N - 1) * 4 * sum_leaves payload_words(leaf)`` in one
+    all-gather of uint32 words (exact: ``(N - 1) * itemsize * size``).
+
+    Args:
+      x: pytree of arrays of rank >= 1 (this replica's shards).
+      axis_name: the mesh axis (or tuple of axes) to gather over.
+      codec: the codec of the forward gather; ``None``: exact (``lax.all_gather``).
+      grad_codec: codec of the VJP's ``reduce_scatter`` of the cotangent; ``None``: exact.
+      key: PRNG key, the same on every replica (stochastic codecs only).
+      inner_axis_name, inner_codec, inner_grad_codec: a two-level gather (see the module
+        docstring): over ``axis_name`` with ``codec``, then over ``inner_axis_name``.
+      invariant: type the result as replicated under ``shard_map(check_vma=True)`` (its
+        cotangent is then replicated too and the VJP is a slice, with no communication).
+
+    Returns:
+      The gathered pytree, leaves in their input dtypes.
+    """
+    where = "all_gather"
+    codec = check_codec(codec, where)
+    grad_codec = check_codec(grad_codec, where, "grad_codec")
+    inner_codec = check_codec(inner_codec, where, "inner_codec")
+    inner_grad_codec = check_codec(inner_grad_codec, where, "inner_grad_codec")
+    check_bound(axis_name, where)
+    if inner_axis_name is not None:
+        check_bound(inner_axis_name, where)
+    for leaf in jax.tree_util.tree_leaves(x):
+        if not jnp.shape(leaf):
+            raise ValueError(f"{where}: leaves must have rank >= 1 (gathered along axis 0); "
+                             "reshape scalars to shape (1,).")
+    cfg = _GatherConfig(axis_name, codec, grad_codec, inner_axis_name, inner_codec,
+                        inner_grad_codec, bool(invariant))
+    return _gather_vjp(cfg, x, key)
+
+
+# ------------------------------------------------------------------ reduce_scatter
+
+
+def _scatter_impl(tree, axis_name, codec, key, residual):
+    """``reduce_scatter`` (sum) over one axis; returns ``(out, new_residual or None)``."""
+    n = _compat.axis_size(axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
+    exact = (lambda v: lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True))
+    if _is_exact(codec):
+        out = [exact(l) for l in leaves]
+        new_res = None if residual is None else [jnp.zeros_like(r) for r in res_leaves]
+        return jax.tree_util.tree_unflatten(treedef, out), _unflat(treedef, new_res)
+    items = _items(leaves, codec, n)
+    out = list(leaves)
+    new_res = None if residual is None else list(res_leaves)
+    for i in {it.index for it in items} ^ set(range(len(leaves))):
+        out[i] = exact(leaves[i])
+    if items:
+        words = _encode_chunks(codec, leaves, res_leaves, new_res, items, n,
+                               replica_key(codec, key, axis_name, "reduce_scatter"))
+        got = _compat.all_to_all(jnp.concatenate(words, axis=1), axis_name)  # [N, W]
+        off = 0
+        for it in items:
+            total = decode_sum(codec, got[:, off:off + it.words], it.padded)[:it.size]
+            shape = (it.shape[0] // n,) + it.shape[1:]
+            out[it.index] = total.reshape(shape).astype(it.dtype)
+            off += it.words
+    return jax.tree_util.tree_unflatten(treedef, out), _unflat(treedef, new_res)
+
+
+def _unflat(treedef, leaves):
+    return None if leaves is None else jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _encode_chunks(codec, leaves, res_leaves, new_res, items, n, rkey):
+    """Each compressed leaf as ``N`` destination chunks, encoded: ``[N, words]`` per leaf
+    (updating ``new_res`` in place with error feedback)."""
+    words, start = [], 0
+    for it in items:
+        def rows_of(v, it=it):
+            v = jnp.ravel(v).astype(jnp.float32).reshape(n, it.size)
+            return jnp.pad(v, ((0, 0), (0, it.padded - it.size)))
+        rows = rows_of(leaves[it.index])
+        if res_leaves is None:
+            words.append(encode_rows(codec, rows, rkey, start=start))
+        else:
+            r = res_leaves[it.index]
+            w, e = encode_rows(codec, rows, rkey, residual=rows_of(r), start=start)
+            words.append(w)
+            new_res[it.index] = e[:, :it.size].reshape(r.shape).astype(r.dtype)
+        start += n * it.padded
+    return words
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScatterConfig:
+    axis_name: Any
+    codec: Optional[Compressor]
+    grad_codec: Optional[Compressor]
+    inner_axis_name: Any
+    inner_codec: Optional[Compressor]
+    mean: bool
+
+
+def _scatter_two_level(tree, cfg: _ScatterConfig, key, residual=None):
+    if cfg.inner_axis_name is not None:
+        inner_key = None if key is None else jax.random.fold_in(key, 2)
+        tree, _ = _scatter_impl(tree, cfg.inner_axis_name, cfg.inner_codec, inner_key, None)
+    out, new_res = _scatter_impl(tree, cfg.axis_name, cfg.codec, key, residual)
+    if cfg.mean:
+        n = _compat.axis_size(cfg.axis_name)
+        if cfg.inner_axis_name is not None:
+            n *= _compat.axis_size(cfg.inner_axis_name)
+        out = jax.tree_util.tree_map(lambda v: (v / n).astype(v.dtype), out)
+    return out, new_res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scatter_vjp(cfg: _ScatterConfig, tree, key):
+    return _scatter_two_level(tree, cfg, key)[0]
+
+
+def _scatter_fwd(cfg, tree, key):
+    return _scatter_vjp(cfg, tree, key), key
+
+
+def _scatter_bwd(cfg, key, ct):
+    grad_key = None if key is None else jax.random.fold_in(key, 1)
+    gcfg = _GatherConfig(cfg.axis_name, cfg.grad_codec, None, cfg.inner_axis_name, None, None, False)
+    out = _gather_two_level(ct, gcfg, grad_key)
+    if cfg.mean:
+        n = _compat.axis_size(cfg.axis_name)
+        if cfg.inner_axis_name is not None:
+            n *= _compat.axis_size(cfg.inner_axis_name)
+        out = jax.tree_util.tree_map(lambda v: (v / n).astype(v.dtype), out)
+    return out, None
+
+
+_scatter_vjp.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def reduce_scatter(
+    x: Any,
+    axis_name: Any,
+    codec: Optional[Compressor] = None,
+    *,
+    grad_codec: Optional[Compressor] = None,
+    key: Optional[jax.Array] = None,
+    residual: Any = None,
+    mean: bool = False,
+    inner_axis_name: Any = None,
+    inner_codec: Optional[Compressor] = None,
+) -> Any:
+    """Sum (or mean) ``x`` over ``axis_name`` and keep this replica's chunk, sent encoded.
+
+    Each leaf ``[N * a, ...]`` is cut into ``N`` chunks along axis 0; chunk ``j`` of every
+    replica is encoded on its own and sent to replica ``j`` (one all-to-all of uint32
+    words for the whole tree), which decodes the ``N`` chunks it receives and sums them in
+    replica order in fp32::
+
+        out_j = sum_r C(x_r[chunk j])          (divided by N with mean=True)
+
+    Bytes per device: ``(N - 1) / N * 4 * N * sum_leaves payload_words(chunk)``: for
+    ``cj.quantize(bits=4)`` at block 256, ``(N-1)/N * 4.125/32`` of the fp32
+    reduce-scatter's ``(N-1)/N * 4 * size``.
+
+    Args:
+      x: pytree of arrays whose leading dimension is a multiple of ``N`` (of
+        ``N * inner size`` with ``inner_axis_name``).
+      axis_name: the mesh axis (or tuple of axes).
+      codec: ``None``: exact (``lax.psum_scatter``).
+      grad_codec: codec of the VJP's ``all_gather``; ``None``: exact.
+      key: PRNG key, the same on every replica (stochastic codecs only).
+      residual: error feedback: a pytree like ``x`` (any float dtype); then ``x + residual``
+        is encoded and ``(out, new_residual)`` is returned, ``new_residual = y - C(y)``
+        per chunk. Not differentiable; not with ``inner_axis_name``.
+      mean: divide the sum by the number of replicas.
+      inner_axis_name, inner_codec: two-level (see the module docstring): first over the
+        inner axis with ``inner_codec`` (exact if ``None``), then over ``axis_name``.
+
+    Returns:
+      This replica's chunk of each leaf, ``[a, ...]``, in the leaf's dtype; with
+      ``residual``, ``(chunks, new_residual)``.
+    """
+    where = "reduce_scatter"
+    codec = check_codec(codec, where)
+    grad_codec = check_codec(grad_codec, where, "grad_codec")
+    inner_codec = check_codec(inner_codec, where, "inner_codec")
+    n = check_bound(axis_name, where)
+    if inner_axis_name is not None:
+        n *= check_bound(inner_axis_name, where)
+    _check_tiled(jax.tree_util.tree_leaves(x), n, where)
+    cfg = _ScatterConfig(axis_name, codec, grad_codec, inner_axis_name, inner_codec, bool(mean))
+    if residual is None:
+        return _scatter_vjp(cfg, x, key)
+    if inner_axis_name is not None:
+        raise ValueError(f"{where}: error feedback (`residual`) with `inner_axis_name` is not "
+                         "supported; keep a residual per level in your own code.")
+    if jax.tree_util.tree_structure(residual) != jax.tree_util.tree_structure(x):
+        raise ValueError(f"{where}: `residual` must have the structure and shapes of `x`.")
+    return _scatter_two_level(x, cfg, key, residual)
+
+
+# ----------------------------------------------------------------- all_reduce reducers
+
+
+class PartsResult(NamedTuple):
+    """What a reducer returns for a bucket held as one flat array per segment."""
+
+    means: list  # float32[size] per segment: the estimate, identical on every replica
+    residuals: list  # float32[size] per segment: y - C(y) of this replica (or C(y) w/o EF)
+    server_residual: jax.Array  # float32[chunk] (two_phase) or float32[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reducer:
+    """How an ``all_reduce`` moves payloads: a small strategy object.
+
+    ``bytes(codec, n, N)`` is the per-device ring cost for a bucket of ``n`` (aligned)
+    elements; ``reduce(...)`` runs it on the bucket held as one padded part per segment.
+    """
+
+    name: ClassVar[str] = "reducer"
+
+    def why_not(self, codec: Compressor) -> Optional[str]:
+        """``None`` if this reducer can carry ``codec``'s payload, else the reason."""
+        return None
+
+    def padded_length(self, codec: Compressor, n: int, num_replicas: int) -> int:
+        return _round_up(n, codec.alignment) if n else 0
+
+    def server_residual_size(self, codec: Compressor, n: int, num_replicas: int) -> int:
+        return 0
+
+    def bytes(self, codec: Compressor, n: int, num_replicas: int,
+              segments: Optional[Sequence[Segment]] = None) -> float:
+        raise NotImplementedError
+
+    def reduce(self, codec, parts, segments, **kwargs) -> PartsResult:
+        raise NotImplementedError
+
+
+def _local_parts(codec, parts, segments, residuals, key):
+    """Encode every part (with feedback when ``residuals``): ``(words, locals_or_res)``."""
+    words, outs = [], []
+    for k, (p, s) in enumerate(zip(parts, segments)):
+        if residuals is None:
+            w, local = codec.encode_and_decode(p, key, start=s.offset)
+            outs.append(local[:s.size])
+        else:
+            res = jnp.pad(residuals[k].astype(jnp.float32), (0, s.padded_size - s.size))
+            w, e = codec.encode_feedback(p, res, key, start=s.offset)
+            outs.append(e[:s.size])
+        words.append(w)
+    return words, outs
+
+
+def _segment_words(codec: Compressor, words: jax.Array, seg: Segment) -> jax.Array:
+    """The words of a block codec's payload that encode ``seg`` (whole blocks)."""
+    row = codec.payload_words(codec.alignment)
+    lo = seg.offset // codec.alignment * row
+    return words[..., lo:lo + seg.padded_size // codec.alignment * row]
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce(Reducer):
+    """``psum`` of a linear payload (the identity, ``cast``): ``2 (N-1)/N * P``."""
+
+    name: ClassVar[str] = "allreduce"
+
+    def why_not(self, codec):
+        if not codec.linear:
+            return ("its payload is not linear (summing quantized codes is wrong, and psum on "
+                    "small integers wraps around)")
+        return None
+
+    def bytes(self, codec, n, num_replicas, segments=None):
+        return ring_bytes("all-reduce", codec.linear_payload_bytes(self.padded_length(codec, n, num_replicas)),
+                          num_replicas)
+
+    def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
+               server_residual=None, server_error_feedback=True):
+        x = flat_bucket.concat(parts)
+        n = x.shape[0]
+        y = x if residuals is None else x + flat_bucket.concat(
+            [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+        payload = codec.encode_linear(y, key)
+        local = codec.decode_linear(payload, n)
+        total = codec.decode_linear(_compat.psum(payload, axis_name), n) / num_replicas
+        outs = flat_bucket.cut(local if residuals is None else y - local, segments)
+        return PartsResult(flat_bucket.cut(total, segments), outs, _empty(server_residual))
+
+
+def _empty(server_residual):
+    return jnp.zeros((0,), jnp.float32) if server_residual is None else server_residual
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGather(Reducer):
+    """All-gather of every payload, each replica decodes and sums all: ``(N-1) P``."""
+
+    name: ClassVar[str] = "allgather"
+
+    def bytes(self, codec, n, num_replicas, segments=None):
+        m = self.padded_length(codec, n, num_replicas)
+        return ring_bytes("all-gather", codec.payload_bytes(m, segments), num_replicas)
+
+    def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
+               server_residual=None, server_error_feedback=True):
+        if not isinstance(codec, BlockCompressor):
+            return _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals,
+                                 server_residual)
+        words, outs = _local_parts(codec, parts, segments, residuals, key)
+        got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
+        means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size)[:s.size] / num_replicas
+                 for s in segments]
+        return PartsResult(means, outs, _empty(server_residual))
+
+
+def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual):
+    """All-gather reducer of a codec whose selection spans leaves: the joined bucket."""
+    x = flat_bucket.concat(parts)
+    if residuals is not None:
+        x = x + flat_bucket.concat(
+            [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+    words, local = codec.encode_and_decode(x, key, segments)
+    got = _compat.all_gather_invariant(words, axis_name, tiled=False)
+    mean = codec.decode_sum(got, x.shape[0], segments) / num_replicas
+    outs = flat_bucket.cut(local if residuals is None else x - local, segments)
+    return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual))
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoPhase(Reducer):
+    """All-to-all of chunks, decode + sum + re-encode one chunk, all-gather: ``2 (N-1)/N P``.
+
+    Replica ``j`` receives chunk ``j`` of every payload, sums the decoded chunks in replica
+    order in fp32, re-encodes the chunk's mean with a server-side residual (its own error
+    feedback) and all-gathers the re-encoded chunks: per-device bytes independent of
+    ``N``. Block codecs send whole blocks per chunk; other codecs (top-k) select within
+    each destination chunk, and the owner re-selects from the chunk's mean.
+    """
+
+    name: ClassVar[str] = "two_phase"
+
+    def why_not(self, codec):
+        if codec.linear and not isinstance(codec, BlockCompressor):
+            return "its payload is summed by an all-reduce (a linear exchange)"
+        return None
+
+    def padded_length(self, codec, n, num_replicas):
+        return _round_up(n, codec.alignment * num_replicas) if n else 0
+
+    def server_residual_size(self, codec, n, num_replicas):
+        return self.padded_length(codec, n, num_replicas) // num_replicas if n else 0
+
+    def bytes(self, codec, n, num_replicas, segments=None):
+        m = self.padded_length(codec, n, num_replicas)
+        chunk = codec.payload_bytes(m // num_replicas)
+        return ring_bytes("all-to-all", num_replicas * chunk, num_replicas) + ring_bytes(
+            "all-gather", chunk, num_replicas)
+
+    def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
+               server_residual=None, server_error_feedback=True):
+        n = sum(s.padded_size for s in segments)
+        m = self.padded_length(codec, n, num_replicas)
+        if isinstance(codec, BlockCompressor):
+            words, outs = _local_parts(codec, parts, segments, residuals, key)
+            if m > n:  # whole zero blocks up to N chunks: their encoding, once
+                words.append(codec.encode(jnp.zeros((m - n,), jnp.float32), key, start=n))
+            rows = jnp.concatenate(words).reshape(num_replicas, -1)
+        else:
+            rows, outs = _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas)
+        gathered, new_server = _two_phase_exchange(
+            codec, rows, m // num_replicas, axis_name, num_replicas, key, server_residual,
+            server_error_feedback)
+        if isinstance(codec, BlockCompressor):
+            means = [codec.decode(_segment_words(codec, gathered, s), s.padded_size)[:s.size]
+                     for s in segments]
+        else:
+            full = decode_rows(codec, gathered.reshape(num_replicas, -1), m // num_replicas)
+            means = flat_bucket.cut(full.reshape(-1), segments)
+        return PartsResult(means, outs, new_server)
+
+
+def _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas):
+    """A non-block codec's two-phase payload: the joined bucket cut into ``N`` destination
+    chunks, each encoded (selected) on its own."""
+    x = flat_bucket.concat(parts)
+    res = None
+    if residuals is not None:
+        res = flat_bucket.concat(
+            [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+        res = jnp.pad(res, (0, m - x.shape[0])).reshape(num_replicas, -1)
+    rows = jnp.pad(x, (0, m - x.shape[0])).reshape(num_replicas, -1)
+    if res is None:
+        words = encode_rows(codec, rows, key)
+        local = decode_rows(codec, words, m // num_replicas)
+        return words, flat_bucket.cut(local.reshape(-1), segments)
+    words, e = encode_rows(codec, rows, key, residual=res)
+    return words, flat_bucket.cut(e.reshape(-1), segments)
+
+
+def _two_phase_exchange(codec, rows, chunk, axis_name, num_replicas, key, server_residual,
+                        server_error_feedback):
+    """All-to-all of the ``[N, w]`` destination rows, decode + sum + re-encode the chunk
+    this replica owns, all-gather. Returns the gathered words (``[N * w]``) of the mean of
+    the whole bucket and the new server residual."""
+    received = _compat.all_to_all(rows, axis_name)
+    mine = decode_sum(codec, received, chunk) / num_replicas
+    keep = server_residual is not None and server_error_feedback
+    server_in = mine + server_residual.astype(jnp.float32) if keep else mine
+    server_key = None if key is None else jax.random.fold_in(key, 0x5E7)
+    words, local = codec.encode_and_decode(server_in, server_key)
+    if keep:
+        new_server = (server_in - local).astype(server_residual.dtype)
+    else:
+        new_server = _empty(None) if server_residual is None else jnp.zeros_like(server_residual)
+    return _compat.all_gather_invariant(words, axis_name, tiled=True), new_server
+
+
+REDUCERS = ("auto", "allreduce", "allgather", "two_phase")
+_REDUCER_OBJECTS = {r.name: r for r in (AllReduce(), AllGather(), TwoPhase())}
+
+
+def get_reducer(reducer: Any) -> Reducer:
+    """A :class:`Reducer` from itself or its name (``"allreduce"``, ``"allgather"``,
+    ``"two_phase"``)."""
+    if isinstance(reducer, Reducer):
+        return reducer
+    if reducer not in _REDUCER_OBJECTS:
+        raise ValueError(
+            f"`reducer` must be one of {', '.join(map(repr, REDUCERS))} or a "
+            f"commjax.collectives.Reducer; got {reducer!r}.")
+    return _REDUCER_OBJECTS[reducer]
+
+
+def valid_reducers(codec: Compressor) -> tuple[str, ...]:
+    """Names of the reducers that can carry ``codec``'s payload."""
+    return tuple(name for name, r in _REDUCER_OBJECTS.items() if r.why_not(codec) is None)
+
+
+def check_reducer(codec: Compressor, reducer: Any, where: str = "compressed_mean") -> Any:
+    """``reducer`` (``"auto"``, a name or a :class:`Reducer`) if it can carry ``codec``."""
+    if reducer == "auto":
+        return reducer
+    try:
+        obj = get_reducer(reducer)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    why = obj.why_not(codec)
+    if why is not None:
+        raise ValueError(
+            f"{where}: reducer={obj.name!r} cannot carry {codec.name} payloads: {why}. Valid "
+            f"reducers for {codec.name}: {', '.join(map(repr, valid_reducers(codec) + ('auto',)))}.")
+    return reducer
+
+
+def choose_reducer(codec: Compressor, reducer: Any, n: int, num_replicas: int,
+                   segments: Optional[Sequence[Segment]] = None) -> Optional[Reducer]:
+    """Resolve ``"auto"`` to the valid reducer that sends the fewest bytes (``None`` for one
+    replica). Ties go to the more exact: an fp32 all-reduce (no re-encoding), then the
+    all-gather (one encoding), then two-phase (two). A 16-bit linear payload is never
+    summed by ``psum`` under ``"auto"`` (two-phase sums it in fp32)."""
+    check_reducer(codec, reducer)
+    if num_replicas <= 1:
+        return None
+    if reducer != "auto":
+        return get_reducer(reducer)
+    options = []
+    for rank, name in enumerate(("allreduce", "allgather", "two_phase")):
+        obj = _REDUCER_OBJECTS[name]
+        if obj.why_not(codec) is not None:
+            continue
+        if name == "two_phase" and not isinstance(codec, BlockCompressor):
+            continue  # a second selection on the owner: opt-in (reducer="two_phase")
+        if name == "allreduce" and codec.linear_payload_bytes(2) < 8:
+            continue  # 16-bit sums lose precision (and XLA on CPU widens them to fp32)
+        options.append((obj.bytes(codec, n, num_replicas, segments), rank, name))
+    return _REDUCER_OBJECTS[min(options)[2]]
+
+
+def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[jax.Array],
+                 segments: Sequence[Segment], *, axis_name: Any, num_replicas: int,
+                 key: Optional[jax.Array], residuals: Optional[Sequence[jax.Array]] = None,
+                 server_residual: Optional[jax.Array] = None,
+                 server_error_feedback: bool = True) -> PartsResult:
+    """The mean over ``axis_name`` of a bucket held as one padded flat part per segment
+    (``parts[i]`` is ``segments[i].padded_size`` long, segments back to back).
+
+    ``key`` is this replica's encoding key. With ``residuals`` (one per segment, its
+    ``size`` long) each part is encoded as ``part + residual`` and
+    :attr:`PartsResult.residuals` holds the new residuals; without, the local decodes.
+    ``reducer=None``: one replica, encode and decode only.
+    """
+    if reducer is None or axis_name is None or num_replicas <= 1:
+        return _one_replica(codec, parts, segments, key, residuals, server_residual)
+    return reducer.reduce(codec, parts, segments, axis_name=axis_name, num_replicas=num_replicas,
+                          key=key, residuals=residuals, server_residual=server_residual,
+                          server_error_feedback=server_error_feedback)
+
+
+def _one_replica(codec, parts, segments, key, residuals, server_residual):
+    """One replica: ``C(y)`` is the mean, ``y - C(y)`` the new residual."""
+    if residuals is not None:
+        parts = [p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
+                 for p, r, s in zip(parts, residuals, segments)]
+    if isinstance(codec, BlockCompressor):
+        local = [codec.encode_and_decode(p, key, start=s.offset)[1][:s.size]
+                 for p, s in zip(parts, segments)]
+    else:
+        local = flat_bucket.cut(codec.encode_and_decode(flat_bucket.concat(parts), key, segments)[1],
+                                segments)
+    outs = local if residuals is None else [p[:s.size] - c for p, c, s in zip(parts, local, segments)]
+    return PartsResult(local, outs, _empty(server_residual))
+
+
+# ------------------------------------------------------------------------ all_reduce
+
+
+def exact_mean(parts: Sequence[jax.Array], axis_name: Any, num_replicas: int,
+               extra: Sequence[jax.Array] = ()) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The exact fp32 mean of flat ``parts`` in one all-reduce (the *exact bucket*: joined
+    as whole rows, :mod:`commjax.bucket`), and of the ``extra`` arrays as further operands
+    of the same collective (uncopied). ``axis_name=None``: no collective. Bytes:
+    ``2 (N-1)/N * 4 * (sum of sizes)``."""
+    parts = [jnp.ravel(p).astype(jnp.float32) for p in parts]
+    extra = [e.astype(jnp.float32) for e in extra]
+    if not parts and not extra:
+        return [], []
+    bucket = flat_bucket.concat(parts) if parts else jnp.zeros((0,), jnp.float32)
+    if axis_name is not None:
+        bucket, *extra = [v / num_replicas for v in _compat.psum([bucket] + list(extra), axis_name)]
+    out, pos = [], 0
+    for p in parts:
+        out.append(bucket[pos:pos + p.shape[0]])
+        pos += p.shape[0]
+    return out, list(extra)
+
+
+def all_reduce(
+    x: Any,
+    axis_name: Any,
+    codec: Optional[Compressor] = None,
+    *,
+    reducer: Any = "auto",
+    grad_codec: Optional[Compressor] = None,
+    key: Optional[jax.Array] = None,
+    residual: Any = None,
+    server_residual: Optional[jax.Array] = None,
+    mean: bool = False,
+    inner_axis_name: Any = None,
+    server_error_feedback: bool = True,
+) -> Any:
+    """Sum (or mean) ``x`` over ``axis_name``, identical on every replica, sent encoded.
+
+    The floating leaves form one bucket (each padded to whole blocks) reduced by one
+    :class:`Reducer`: ``"allreduce"`` (``psum`` of a linear payload, ``2 (N-1)/N P``),
+    ``"allgather"`` (``(N-1) P``, grows with ``N``), ``"two_phase"`` (all-to-all +
+    all-gather, ``2 (N-1)/N P``, flat in ``N``, with a server-side re-encoding) or
+    ``"auto"`` (the cheapest valid). With ``inner_axis_name`` the exact fp32 mean over that
+    (fast) axis comes first and only ``axis_name`` sees the codec.
+
+    Args:
+      x: pytree of arrays (any shapes).
+      axis_name: the mesh axis (or tuple of axes).
+      codec: ``None``: exact ``lax.psum``.
+      reducer: see above.
+      grad_codec: codec of the VJP's all-reduce of the cotangent; ``None``: exact.
+      key: PRNG key, the same on every replica (stochastic codecs only).
+      residual: error feedback, a pytree like ``x``: returns ``(out, new_residual,
+        new_server_residual)``. Not differentiable.
+      server_residual: the two-phase reducer's residual (``float32[chunk]``, see
+        :meth:`Reducer.server_residual_size`), with ``residual``.
+      mean: divide by the number of replicas (of both axes with ``inner_axis_name``).
+      server_error_feedback: keep the two-phase server residual.
+    """
+    where = "all_reduce"
+    codec = check_codec(codec, where)
+    grad_codec = check_codec(grad_codec, where, "grad_codec")
+    check_bound(axis_name, where)
+    if inner_axis_name is not None:
+        check_bound(inner_axis_name, where)
+    if codec is not None:
+        check_reducer(codec, reducer, where)
+    cfg = _ReduceConfig(axis_name, codec, reducer, grad_codec, inner_axis_name, bool(mean),
+                        bool(server_error_feedback))
+    if residual is None and server_residual is None:
+        return _reduce_vjp(cfg, x, key)
+    return _reduce_impl(cfg, x, key, residual, server_residual)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReduceConfig:
+    axis_name: Any
+    codec: Optional[Compressor]
+    reducer: Any
+    grad_codec: Optional[Compressor]
+    inner_axis_name: Any
+    mean: bool
+    server_error_feedback: bool
+
+
+def _reduce_impl(cfg: _ReduceConfig, tree, key, residual=None, server_residual=None):
+    """``all_reduce``: exact leaves in one ``psum`` over every axis, the floating leaves
+    through the codec's reducer over ``axis_name`` after the exact inner mean."""
+    n = _compat.axis_size(cfg.axis_name)
+    axes = _names(cfg.axis_name)
+    inner = 1
+    if cfg.inner_axis_name is not None:
+        inner = _compat.axis_size(cfg.inner_axis_name)
+        axes = axes + _names(cfg.inner_axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    items = [] if _is_exact(cfg.codec) else _items(leaves, cfg.codec, 1)
+    done = {it.index for it in items}
+    out = list(leaves)
+    exact_idx = [i for i in range(len(leaves)) if i not in done]
+    if cfg.mean and any(not jnp.issubdtype(jnp.result_type(leaves[i]), jnp.inexact) for i in exact_idx):
+        raise ValueError("all_reduce: mean=True needs floating (or complex) leaves; sum integer "
+                         "leaves with mean=False.")
+    for i, v in zip(exact_idx, _compat.psum([leaves[i] for i in exact_idx], axes)):
+        out[i] = (v / (n * inner)).astype(v.dtype) if cfg.mean else v
+    if not items:
+        return jax.tree_util.tree_unflatten(treedef, out), residual, server_residual
+    if cfg.inner_axis_name is not None:
+        leaves = list(leaves)
+        for it in items:
+            leaves[it.index] = _compat.psum(leaves[it.index].astype(jnp.float32), cfg.inner_axis_name) / inner
+    segments, parts, off = [], [], 0
+    for it in items:
+        segments.append(Segment(off, it.size, it.padded, it.shape))
+        parts.append(jnp.pad(jnp.ravel(leaves[it.index]).astype(jnp.float32), (0, it.padded - it.size)))
+        off += it.padded
+    res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
+    res = reduce_parts(
+        cfg.codec, choose_reducer(cfg.codec, cfg.reducer, off, n, segments), parts, segments,
+        axis_name=cfg.axis_name, num_replicas=n,
+        key=replica_key(cfg.codec, key, cfg.axis_name, "all_reduce"),
+        residuals=None if res_leaves is None else [jnp.ravel(res_leaves[it.index]) for it in items],
+        server_residual=server_residual, server_error_feedback=cfg.server_error_feedback)
+    scale = 1.0 if cfg.mean else float(n * inner)
+    for it, m in zip(items, res.means):
+        out[it.index] = (m * scale).reshape(it.shape).astype(it.dtype)
+    new_res = residual
+    if res_leaves is not None:
+        new_res = list(res_leaves)
+        for it, e in zip(items, res.residuals):
+            new_res[it.index] = e.reshape(res_leaves[it.index].shape).astype(res_leaves[it.index].dtype)
+        new_res = jax.tree_util.tree_unflatten(treedef, new_res)
+    return jax.tree_util.tree_unflatten(treedef, out), new_res, res.server_residual
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reduce_vjp(cfg: _ReduceConfig, tree, key):
+    return _reduce_impl(cfg, tree, key)[0]
+
+
+def _reduce_fwd(cfg, tree, key):
+    return _reduce_vjp(cfg, tree, key), key
+
+
+def _reduce_bwd(cfg, key, ct):
+    if _replicated_cotangent(ct, cfg.axis_name):
+        names = _names(cfg.axis_name) + (() if cfg.inner_axis_name is None else _names(cfg.inner_axis_name))
+        out = _vary_out(ct, names)
+        if cfg.mean:
+            n = _compat.axis_size(cfg.axis_name) * (
+                1 if cfg.inner_axis_name is None else _compat.axis_size(cfg.inner_axis_name))
+            out = jax.tree_util.tree_map(lambda v: (v / n).astype(v.dtype), out)
+        return out, None
+    grad_key = None if key is None else jax.random.fold_in(key, 1)
+    gcfg = dataclasses.replace(cfg, codec=cfg.grad_codec, grad_codec=None, reducer="auto")
+    return _reduce_impl(gcfg, ct, grad_key)[0], None
+
+
+_reduce_vjp.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+# ---------------------------------------------------------------------- wire bytes
+
+
+def wire_bytes(op: str, x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
+               reducer: Any = "auto", inner_size: int = 1,
+               inner_codec: Optional[Compressor] = None) -> float:
+    """Analytic per-device ring bytes of one collective on ``x`` (arrays or
+    ``jax.ShapeDtypeStruct``, as the collective receives them), for ``num_replicas`` on
+    ``axis_name`` (and ``inner_size`` on the inner axis): what the compiled HLO sends
+    (:func:`commjax.collective_bytes`)."""
+    leaves = jax.tree_util.tree_leaves(x)
+    if op == "all_gather":
+        total = _gather_bytes(leaves, codec, num_replicas)
+        if inner_size > 1:
+            grown = [jax.ShapeDtypeStruct((num_replicas * l.shape[0],) + tuple(l.shape[1:]), l.dtype)
+                     for l in leaves]
+            total += _gather_bytes(grown, inner_codec, inner_size)
+        return total
+    if op == "reduce_scatter":
+        total = 0.0
+        if inner_size > 1:
+            total += _scatter_bytes(leaves, inner_codec, inner_size)
+            leaves = [jax.ShapeDtypeStruct((l.shape[0] // inner_size,) + tuple(l.shape[1:]), l.dtype)
+                      for l in leaves]
+        return total + _scatter_bytes(leaves, codec, num_replicas)
+    if op == "all_reduce":
+        total = 0.0
+        if inner_size > 1:
+            total += sum(ring_bytes("all-reduce", _nbytes(l), inner_size) for l in leaves)
+        return total + _reduce_bytes(leaves, codec, num_replicas, reducer)
+    raise ValueError(f"wire_bytes: `op` must be 'all_gather', 'reduce_scatter' or 'all_reduce'; got {op!r}.")
+
+
+def _nbytes(leaf) -> int:
+    return math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
+
+
+def _gather_bytes(leaves, codec, n) -> float:
+    if _is_exact(codec):
+        return sum(ring_bytes("all-gather", _nbytes(l), n) for l in leaves)
+    items = _items(leaves, codec, 1)
+    done = {it.index for it in items}
+    exact = sum(ring_bytes("all-gather", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    return exact + ring_bytes("all-gather", 4 * sum(it.words for it in items), n)
+
+
+def _scatter_bytes(leaves, codec, n) -> float:
+    if _is_exact(codec):
+        return sum(ring_bytes("reduce-scatter", _nbytes(l), n) for l in leaves)
+    items = _items(leaves, codec, n)
+    done = {it.index for it in items}
+    exact = sum(ring_bytes("reduce-scatter", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    return exact + ring_bytes("all-to-all", 4 * n * sum(it.words for it in items), n)
+
+
+def _reduce_bytes(leaves, codec, n, reducer) -> float:
+    if _is_exact(codec):
+        return sum(ring_bytes("all-reduce", _nbytes(l), n) for l in leaves)
+    items = _items(leaves, codec, 1)
+    done = {it.index for it in items}
+    exact = sum(ring_bytes("all-reduce", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    segments, off = [], 0
+    for it in items:
+        segments.append(Segment(off, it.size, it.padded, it.shape))
+        off += it.padded
+    red = choose_reducer(codec, reducer, max(off, 1), n, segments)
+    return exact + (0.0 if red is None or not off else red.bytes(codec, off, n, segments))
