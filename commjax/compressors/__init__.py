@@ -5,6 +5,7 @@ from commjax.compressors.exact import Cast, Identity, cast, identity
 from commjax.compressors.quantize import QSGD, Quantize, TernGrad, qsgd, quantize, terngrad
 from commjax.compressors.powersgd import PowerSGD, PowerSGDState, powersgd
 from commjax.compressors.sign import Sign, sign
+from commjax.compressors.hadamard import Hadamard, hadamard
 from commjax.compressors.sparse import RandomK, Threshold, TopK, random_k, threshold, top_k
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "PowerSGD", "PowerSGDState",
     "identity", "cast", "quantize", "qsgd", "terngrad", "sign", "top_k", "random_k", "threshold",
     "powersgd",
+    "Hadamard", "hadamard",
 ]

@@ -8,9 +8,11 @@ and returns updates identical on every replica.
 from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ratios
 from commjax.optimizers.diloco import DiLoCoState, diloco, landing_update
 from commjax.optimizers.onebit import onebit_adam, onebit_lamb
+from commjax.optimizers.zero import ZeroState, zero, zero_wire_bytes
 
 __all__ = [
     "DGCState", "dgc", "dgc_communication_plan", "dgc_ratios",
     "DiLoCoState", "diloco", "landing_update",
     "onebit_adam", "onebit_lamb",
+    "ZeroState", "zero", "zero_wire_bytes",
 ]

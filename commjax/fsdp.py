@@ -1,0 +1,311 @@
+"""Fully sharded data parallel (ZeRO-3 / FSDP) with compressed weight and gradient traffic.
+
+Every replica of ``N`` stores ``1/N`` of each parameter: the leaf is flattened, padded with
+zeros to ``N * s`` elements (``s`` a multiple of the codec's block ``A``) and cut into
+``N`` shards of ``s``. Model code gathers a layer's weights when it needs them::
+
+    full = cj.fsdp_gather(shard, "data", cj.quantize(bits=8, stochastic=False),
+                          grad_codec=cj.quantize(bits=4), key=key, like=shapes)
+
+Forward, a compressed all-gather (ZeRO++'s qwZ): every replica decodes every shard, its
+own included, so the gathered weights are bit-identical everywhere. Backward (the VJP), a
+compressed reduce-scatter of the weights' cotangent (qgZ) divided by ``N``: ``jax.grad``
+of a loss that gathers its weights returns, on replica ``r``, shard ``r`` of
+``(1/N) sum_q dL_q/dw``, the mean gradient of the replicas' losses, ready for any optax
+optimizer run on the shards.
+
+Bytes per device and gather of ``n`` elements (``s = n_pad / N``, ``P(s)`` a codec's
+payload bytes for ``s`` elements)::
+
+    forward all-gather     (N - 1) P_w(s)           exact fp32: (N - 1) 4 s
+    backward reduce-scatter (N - 1) P_g(s)           exact fp32: (N - 1) 4 s
+
+Under ``jax.checkpoint`` the gather is recomputed in the backward pass (the gathered
+weights are not kept alive between the passes: ZeRO-3's memory saving) and sends its bytes
+twice. Stochastic codecs need a ``key`` that is the same on every replica; the recomputed
+gather uses the same key and so the same weights. Inside ``lax.scan`` over stacked layers,
+the stacked shards ``[L, s]`` are scanned like any other array (fold the layer index into
+the key).
+
+Helpers lay out a parameter tree: :func:`fsdp_shard` (full -> padded flat global shards),
+:func:`fsdp_unshard` (back), :func:`fsdp_like` (the shapes to gather into),
+:func:`fsdp_specs` (``PartitionSpec`` s); :func:`shard_size` is the padding rule, shared
+with :func:`commjax.zero`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from commjax import _compat, collectives as cc
+from commjax.compressors.base import Compressor
+
+__all__ = ["fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "shard_size",
+           "fsdp_wire_bytes"]
+
+
+def shard_size(size: int, num_shards: int, align: int = 1) -> int:
+    """Elements per shard of a leaf of ``size`` elements cut into ``num_shards``:
+    ``ceil(size / (num_shards * align)) * align`` (at least ``align``), so every shard is a
+    whole number of codec blocks and no block spans two shards."""
+    if num_shards < 1 or align < 1:
+        raise ValueError(f"shard_size: `num_shards` ({num_shards}) and `align` ({align}) must be >= 1.")
+    return max(1, -(-int(size) // (num_shards * align))) * align
+
+
+def _batch_shape(leaf: Any, batch_dims: int) -> tuple:
+    shape = tuple(np.shape(leaf))
+    if len(shape) < batch_dims:
+        raise ValueError(f"fsdp: a leaf of shape {shape} has fewer than batch_dims={batch_dims} "
+                         "leading axes.")
+    return shape[:batch_dims]
+
+
+def fsdp_shard(params: Any, num_shards: int, *, align: int = 1, batch_dims: int = 0) -> Any:
+    """Each leaf ``[*b, *shape]`` as the flat, zero-padded ``[*b, num_shards * s]`` array
+    whose ``num_shards`` consecutive pieces of ``s`` (:func:`shard_size`) are the shards.
+
+    Works on host (NumPy) or device arrays, outside ``shard_map``; place the result with
+    :func:`fsdp_specs` (shard ``r`` on replica ``r``). ``batch_dims`` leading axes (stacked
+    layers for ``lax.scan``) are kept. ``align``: the block of the codec that will carry the
+    shards (``codec.alignment``), so that shards are whole blocks.
+    """
+    def one(leaf):
+        b = _batch_shape(leaf, batch_dims)
+        flat = jnp.reshape(jnp.asarray(leaf), b + (-1,))
+        m = flat.shape[-1]
+        s = shard_size(m, num_shards, align)
+        return jnp.pad(flat, [(0, 0)] * batch_dims + [(0, num_shards * s - m)])
+
+    return jax.tree_util.tree_map(one, params)
+
+
+def fsdp_like(params: Any, *, batch_dims: int = 0) -> Any:
+    """``jax.ShapeDtypeStruct`` of each leaf without its ``batch_dims`` leading axes: the
+    ``like=`` of :func:`fsdp_gather` (one layer's shapes when the layers are stacked)."""
+    return jax.tree_util.tree_map(
+        lambda l: jax.ShapeDtypeStruct(tuple(np.shape(l))[batch_dims:], jnp.result_type(l)), params)
+
+
+def fsdp_unshard(shards: Any, like: Any, *, batch_dims: int = 0) -> Any:
+    """The inverse of :func:`fsdp_shard`: ``[*b, N * s] -> [*b, *like.shape]`` (padding dropped)."""
+    def one(flat, l):
+        b = tuple(np.shape(flat))[:batch_dims]
+        m = math.prod(l.shape)
+        return jnp.reshape(jnp.asarray(flat)[..., :m], b + tuple(l.shape)).astype(l.dtype)
+
+    return jax.tree_util.tree_map(one, shards, like)
+
+
+def fsdp_specs(shards: Any, axis_name: Any, *, batch_dims: int = 0) -> Any:
+    """``PartitionSpec`` of each :func:`fsdp_shard` leaf: ``P(None,..., axis_name)``."""
+    return jax.tree_util.tree_map(lambda _: P(*([None] * batch_dims), axis_name), shards)
+
+
+# --------------------------------------------------------------------- the gather
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scale_grad(x: jax.Array, c: float) -> jax.Array:
+    """Identity forward; the cotangent is multiplied by ``c`` (the ``1/N`` of a mean)."""
+    return x
+
+
+def _scale_fwd(x, c):
+    return x, None
+
+
+def _scale_bwd(c, _, ct):
+    return ((ct * jnp.asarray(c, ct.dtype)).astype(ct.dtype),)
+
+
+_scale_grad.defvjp(_scale_fwd, _scale_bwd)
+
+
+def _buckets(vecs: list) -> dict:
+    """Positions of the 1-D floating vectors by dtype (one exact collective per dtype);
+    others (integers, higher rank) alone."""
+    groups: dict = {}
+    for i, v in enumerate(vecs):
+        dt = jnp.result_type(v)
+        k = (dt.name,) if jnp.ndim(v) == 1 and jnp.issubdtype(dt, jnp.inexact) else ("alone", i)
+        groups.setdefault(k, []).append(i)
+    return groups
+
+
+def gather_exact(vecs: list, axis_name: Any, *, inner_axis_name: Any = None,
+                 invariant: bool = False) -> list:
+    """Exact all-gather of shards (exact reduce-scatter VJP) with the 1-D ones of each dtype
+    joined into one collective: ``[s_l] -> [N s_l]`` each, ``(N - 1) * itemsize * sum s_l``
+    bytes per device for the joined bucket."""
+    out = list(vecs)
+    for k, idx in _buckets(vecs).items():
+        if k[0] == "alone" or len(idx) == 1:
+            got = cc.all_gather([vecs[i] for i in idx], axis_name, None,
+                                inner_axis_name=inner_axis_name, invariant=invariant)
+            for i, g in zip(idx, got):
+                out[i] = g
+            continue
+        sizes = [vecs[i].shape[0] for i in idx]
+        full = cc.all_gather(jnp.concatenate([vecs[i] for i in idx]), axis_name, None,
+                             inner_axis_name=inner_axis_name, invariant=invariant)
+        rows = full.reshape(-1, sum(sizes))  # [N, S]: replica j's bucket in row j
+        off = 0
+        for i, s in zip(idx, sizes):
+            out[i] = rows[:, off:off + s].reshape(-1)
+            off += s
+    return out
+
+
+def scatter_exact(vecs: list, axis_name: Any, *, inner_axis_name: Any = None,
+                  mean: bool = False) -> list:
+    """Exact reduce-scatter of ``[N s_l]`` vectors (chunk ``j`` to replica ``j``), those of
+    each dtype joined into one collective: ``[N s_l] -> [s_l]`` each,
+    ``(N - 1) * itemsize * sum s_l`` bytes per device for the joined bucket."""
+    num = _compat.axis_size(axis_name)
+    if inner_axis_name is not None:
+        num *= _compat.axis_size(inner_axis_name)
+    out = list(vecs)
+    for k, idx in _buckets(vecs).items():
+        if k[0] == "alone" or len(idx) == 1:
+            got = cc.reduce_scatter([vecs[i] for i in idx], axis_name, None,
+                                    inner_axis_name=inner_axis_name, mean=mean)
+            for i, g in zip(idx, got):
+                out[i] = g
+            continue
+        sizes = [vecs[i].shape[0] // num for i in idx]
+        rows = jnp.concatenate([vecs[i].reshape(num, s) for i, s in zip(idx, sizes)], axis=1)
+        mine = cc.reduce_scatter(rows.reshape(-1), axis_name, None,
+                                 inner_axis_name=inner_axis_name, mean=mean)
+        off = 0
+        for i, s in zip(idx, sizes):
+            out[i] = mine[off:off + s]
+            off += s
+    return out
+
+
+def _route(leaves: list, codec: Optional[Compressor], num: int, min_compress_size: int) -> list[bool]:
+    """Which leaves go through ``codec``: floating, at least ``min_compress_size`` elements
+    gathered, and shards of whole blocks (else the exact gather: a few small leaves)."""
+    if codec is None:
+        return [False] * len(leaves)
+    out = []
+    for l in leaves:
+        s = math.prod(np.shape(l))
+        out.append(bool(jnp.issubdtype(jnp.result_type(l), jnp.floating)) and s * num >= min_compress_size
+                   and s % codec.alignment == 0)
+    return out
+
+
+def fsdp_gather(
+    shard: Any,
+    axis_name: Any,
+    codec: Optional[Compressor] = None,
+    *,
+    grad_codec: Optional[Compressor] = None,
+    key: Optional[jax.Array] = None,
+    like: Any = None,
+    grad_mean: bool = True,
+    inner_axis_name: Any = None,
+    inner_codec: Optional[Compressor] = None,
+    inner_grad_codec: Optional[Compressor] = None,
+    min_compress_size: int = 1024,
+) -> Any:
+    """Gather the full parameters from this replica's shards, each shard sent encoded.
+
+    Forward: ``full = concat_r C(shard_r)`` (:func:`commjax.collectives.all_gather`), then,
+    with ``like``, padding dropped and each leaf reshaped to ``like``'s shape and dtype.
+    VJP: the cotangent of ``full`` goes through ``reduce_scatter`` with ``grad_codec``
+    (replica ``r`` receives chunk ``r`` of ``sum_q C_g(ct_q)``), divided by the number of
+    replicas when ``grad_mean`` (module docstring for the bytes).
+
+    Args:
+      shard: pytree of this replica's shards, each 1-D ``[s]`` (from :func:`fsdp_shard`,
+        placed with :func:`fsdp_specs`) or any rank >= 1 (gathered along axis 0).
+      axis_name: the mesh axis the parameters are sharded over (bound by ``shard_map``).
+      codec: the weights' codec (qwZ: ``cj.quantize(bits=8, stochastic=False)``); ``None``:
+        exact.
+      grad_codec: the gradients' codec (qgZ: ``cj.quantize(bits=4)``); ``None``: exact.
+      key: PRNG key, the same on every replica, for stochastic codecs (fold in the step and
+        the layer).
+      like: pytree (matching ``shard``) of arrays or ``jax.ShapeDtypeStruct`` with the full
+        shapes (:func:`fsdp_like`); ``None``: return the padded flat gather ``[N * s]``.
+      grad_mean: divide the reduced gradient by the number of replicas (default: the
+        gradient of the mean of the replicas' losses).
+      inner_axis_name, inner_codec, inner_grad_codec: a second, fast mesh axis (two-level:
+        :mod:`commjax.collectives`); the shard then lives on ``(axis, inner axis)``.
+      min_compress_size: leaves of fewer gathered elements (biases, norms), and leaves whose
+        shard is not a whole number of ``codec`` blocks, travel exactly.
+
+    Returns:
+      The full parameters (``like``'s shapes), identical on every replica.
+    """
+    where = "fsdp_gather"
+    codec = cc.check_codec(codec, where)
+    grad_codec = cc.check_codec(grad_codec, where, "grad_codec")
+    num = cc.check_bound(axis_name, where)
+    if inner_axis_name is not None:
+        num *= cc.check_bound(inner_axis_name, where)
+    leaves, treedef = jax.tree_util.tree_flatten(shard)
+    like_leaves = None
+    if like is not None:
+        like_leaves = jax.tree_util.tree_leaves(like)
+        if len(like_leaves) != len(leaves):
+            raise ValueError(f"{where}: `like` has {len(like_leaves)} leaves but `shard` has "
+                             f"{len(leaves)}; pass cj.fsdp_like(params) of the same tree.")
+    if grad_mean and num > 1:
+        leaves = [_scale_grad(l, 1.0 / num) if jnp.issubdtype(jnp.result_type(l), jnp.inexact) else l
+                  for l in leaves]
+    routes = _route(leaves, codec, num, min_compress_size)
+    out = list(leaves)
+    exact = [i for i, r in enumerate(routes) if not r]
+    got = gather_exact([leaves[i] for i in exact], axis_name, inner_axis_name=inner_axis_name)
+    for i, g in zip(exact, got):
+        out[i] = g
+    comp = [i for i, r in enumerate(routes) if r]
+    if comp:
+        got = cc.all_gather([leaves[i] for i in comp], axis_name, codec, grad_codec=grad_codec,
+                            key=key, inner_axis_name=inner_axis_name, inner_codec=inner_codec,
+                            inner_grad_codec=inner_grad_codec)
+        for i, g in zip(comp, got):
+            out[i] = g
+    if like_leaves is not None:
+        out = [_unpad(g, l, where) for g, l in zip(out, like_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _unpad(full: jax.Array, like: Any, where: str) -> jax.Array:
+    m = math.prod(np.shape(like))
+    if full.ndim != 1 or full.shape[0] < m:
+        raise ValueError(f"{where}: a gathered leaf of shape {full.shape} cannot hold `like`'s "
+                         f"{tuple(np.shape(like))}; shard with cj.fsdp_shard and pass 1-D shards.")
+    return full[:m].reshape(np.shape(like)).astype(jnp.result_type(like))
+
+
+def fsdp_wire_bytes(like: Any, num_shards: int, codec: Optional[Compressor] = None,
+                    grad_codec: Optional[Compressor] = None, *, align: int = 1,
+                    min_compress_size: int = 1024) -> dict[str, float]:
+    """Analytic per-device ring bytes of one :func:`fsdp_gather` of parameters shaped like
+    ``like`` sharded with ``align`` over ``num_shards`` (one axis): the forward all-gather
+    and the backward reduce-scatter, as the compiled HLO sends them."""
+    shards = [jax.ShapeDtypeStruct((shard_size(math.prod(np.shape(l)), num_shards, align),),
+                                   jnp.result_type(l)) for l in jax.tree_util.tree_leaves(like)]
+    fwd = _route(shards, codec, num_shards, min_compress_size)
+    bwd_items = [jax.ShapeDtypeStruct((num_shards * s.shape[0],), s.dtype) for s in shards]
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0}
+    for flag in (True, False):
+        sel = [s for s, r in zip(shards, fwd) if r == flag]
+        full = [b for b, r in zip(bwd_items, fwd) if r == flag]
+        if sel:
+            out["all_gather"] += cc.wire_bytes("all_gather", sel, num_shards, codec if flag else None)
+            out["reduce_scatter"] += cc.wire_bytes("reduce_scatter", full, num_shards,
+                                                   grad_codec if flag else None)
+    out["total"] = out["all_gather"] + out["reduce_scatter"]
+    return out
