@@ -68,20 +68,23 @@ def _batch_shape(leaf: Any, batch_dims: int) -> tuple:
     return shape[:batch_dims]
 
 
-def fsdp_shard(params: Any, num_shards: int, *, align: int = 1, batch_dims: int = 0) -> Any:
+def fsdp_shard(params: Any, num_shards: int, *, align: int = 1, batch_dims: int = 0,
+               min_compress_size: int = 1024) -> Any:
     """Each leaf ``[*b, *shape]`` as the flat, zero-padded ``[*b, num_shards * s]`` array
     whose ``num_shards`` consecutive pieces of ``s`` (:func:`shard_size`) are the shards.
 
     Works on host (NumPy) or device arrays, outside ``shard_map``; place the result with
     :func:`fsdp_specs` (shard ``r`` on replica ``r``). ``batch_dims`` leading axes (stacked
     layers for ``lax.scan``) are kept. ``align``: the block of the codec that will carry the
-    shards (``codec.alignment``), so that shards are whole blocks.
+    shards (``codec.alignment``), so that shards are whole blocks; leaves of fewer than
+    ``min_compress_size`` elements (which :func:`fsdp_gather` sends exactly) are padded to
+    a multiple of ``num_shards`` only.
     """
     def one(leaf):
         b = _batch_shape(leaf, batch_dims)
         flat = jnp.reshape(jnp.asarray(leaf), b + (-1,))
         m = flat.shape[-1]
-        s = shard_size(m, num_shards, align)
+        s = shard_size(m, num_shards, align if m >= min_compress_size else 1)
         return jnp.pad(flat, [(0, 0)] * batch_dims + [(0, num_shards * s - m)])
 
     return jax.tree_util.tree_map(one, params)
@@ -191,17 +194,14 @@ def scatter_exact(vecs: list, axis_name: Any, *, inner_axis_name: Any = None,
     return out
 
 
-def _route(leaves: list, codec: Optional[Compressor], num: int, min_compress_size: int) -> list[bool]:
-    """Which leaves go through ``codec``: floating, at least ``min_compress_size`` elements
-    gathered, and shards of whole blocks (else the exact gather: a few small leaves)."""
+def _route(leaves: list, sizes: list, codec: Optional[Compressor], min_compress_size: int) -> list[bool]:
+    """Which leaves go through ``codec``: floating, of at least ``min_compress_size``
+    elements (``sizes``: the full leaves'), with shards of whole blocks (else the exact
+    gather: a few small leaves)."""
     if codec is None:
         return [False] * len(leaves)
-    out = []
-    for l in leaves:
-        s = math.prod(np.shape(l))
-        out.append(bool(jnp.issubdtype(jnp.result_type(l), jnp.floating)) and s * num >= min_compress_size
-                   and s % codec.alignment == 0)
-    return out
+    return [bool(jnp.issubdtype(jnp.result_type(l), jnp.floating)) and m >= min_compress_size
+            and math.prod(np.shape(l)) % codec.alignment == 0 for l, m in zip(leaves, sizes)]
 
 
 def fsdp_gather(
@@ -241,8 +241,9 @@ def fsdp_gather(
         gradient of the mean of the replicas' losses).
       inner_axis_name, inner_codec, inner_grad_codec: a second, fast mesh axis (two-level:
         :mod:`commjax.collectives`); the shard then lives on ``(axis, inner axis)``.
-      min_compress_size: leaves of fewer gathered elements (biases, norms), and leaves whose
-        shard is not a whole number of ``codec`` blocks, travel exactly.
+      min_compress_size: leaves of fewer elements (``like``'s, else the gathered ones:
+        biases, norms), and leaves whose shard is not a whole number of ``codec`` blocks,
+        travel exactly (as :func:`fsdp_shard` lays them out with the same threshold).
 
     Returns:
       The full parameters (``like``'s shapes), identical on every replica.
@@ -263,7 +264,9 @@ def fsdp_gather(
     if grad_mean and num > 1:
         leaves = [_scale_grad(l, 1.0 / num) if jnp.issubdtype(jnp.result_type(l), jnp.inexact) else l
                   for l in leaves]
-    routes = _route(leaves, codec, num, min_compress_size)
+    sizes = ([math.prod(np.shape(l)) * num for l in leaves] if like_leaves is None else
+             [math.prod(np.shape(l)) for l in like_leaves])
+    routes = _route(leaves, sizes, codec, min_compress_size)
     out = list(leaves)
     exact = [i for i, r in enumerate(routes) if not r]
     got = gather_exact([leaves[i] for i in exact], axis_name, inner_axis_name=inner_axis_name)
@@ -293,17 +296,19 @@ def fsdp_wire_bytes(like: Any, num_shards: int, codec: Optional[Compressor] = No
                     grad_codec: Optional[Compressor] = None, *, align: int = 1,
                     min_compress_size: int = 1024) -> dict[str, float]:
     """Analytic per-device ring bytes of one :func:`fsdp_gather` of parameters shaped like
-    ``like`` sharded with ``align`` over ``num_shards`` (one axis): the forward all-gather
-    and the backward reduce-scatter, as the compiled HLO sends them."""
-    shards = [jax.ShapeDtypeStruct((shard_size(math.prod(np.shape(l)), num_shards, align),),
-                                   jnp.result_type(l)) for l in jax.tree_util.tree_leaves(like)]
-    fwd = _route(shards, codec, num_shards, min_compress_size)
-    bwd_items = [jax.ShapeDtypeStruct((num_shards * s.shape[0],), s.dtype) for s in shards]
+    ``like``, laid out by :func:`fsdp_shard` with ``align`` over ``num_shards`` (one axis):
+    ``{"all_gather", "reduce_scatter", "total"}`` (the forward gather and its VJP), as the
+    compiled HLO sends them. Under ``jax.checkpoint`` the gather runs twice."""
+    leaves = jax.tree_util.tree_leaves(like)
+    sizes = [math.prod(np.shape(l)) for l in leaves]
+    shards = [jax.ShapeDtypeStruct((shard_size(m, num_shards, align if m >= min_compress_size else 1),),
+                                   jnp.result_type(l)) for l, m in zip(leaves, sizes)]
+    routes = _route(shards, sizes, codec, min_compress_size)
     out = {"all_gather": 0.0, "reduce_scatter": 0.0}
     for flag in (True, False):
-        sel = [s for s, r in zip(shards, fwd) if r == flag]
-        full = [b for b, r in zip(bwd_items, fwd) if r == flag]
+        sel = [s for s, r in zip(shards, routes) if r == flag]
         if sel:
+            full = [jax.ShapeDtypeStruct((num_shards * s.shape[0],), s.dtype) for s in sel]
             out["all_gather"] += cc.wire_bytes("all_gather", sel, num_shards, codec if flag else None)
             out["reduce_scatter"] += cc.wire_bytes("reduce_scatter", full, num_shards,
                                                    grad_codec if flag else None)
