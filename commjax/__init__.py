@@ -7,6 +7,7 @@ Compressed gradient exchange as optax transforms, inside ``jax.shard_map``/``jax
                      optax.adam(1e-3))
 """
 
+from commjax import collectives
 from commjax._compat import vary
 from commjax.accounting import CollectiveReport, collective_bytes, exact_mean_bytes, ring_bytes
 from commjax.compressors import (
@@ -32,7 +33,7 @@ from commjax.layout import (
 )
 from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb
 from commjax.plan import CommunicationPlan, communication_plan
-from commjax.reducers import REDUCERS, valid_reducers as reducers_for
+from commjax.collectives import REDUCERS, valid_reducers as reducers_for
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
 
 __version__ = "0.1.0"
@@ -45,5 +46,5 @@ __all__ = [
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
-    "init_sharded",
+    "init_sharded", "collectives",
 ]

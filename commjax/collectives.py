@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import _compat, bucket as flat_bucket
+from commjax.guards import check_bound
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import BlockCompressor, Compressor, Segment
 
@@ -123,17 +124,6 @@ def check_codec(codec: Any, where: str, argument: str = "codec") -> Optional[Com
             "cj.qsgd, cj.terngrad, cj.top_k, cj.threshold, cj.identity."
         )
     return codec
-
-
-def check_bound(axis_name: Any, where: str) -> int:
-    """The size of ``axis_name`` where it is bound, else an error that shows the fix."""
-    if not _compat.axis_is_bound(axis_name):
-        raise NameError(
-            f"{where}: mesh axis {axis_name!r} is not bound here. Collectives run inside "
-            f"jax.shard_map (or jax.pmap) over that axis, e.g. jax.shard_map(f, mesh=mesh, "
-            f"in_specs=P({axis_name!r}), out_specs=P({axis_name!r}))."
-        )
-    return _compat.axis_size(axis_name)
 
 
 def replica_key(codec: Optional[Compressor], key: Optional[jax.Array], axis_name: Any,
@@ -620,6 +610,8 @@ class AllReduce(Reducer):
     name: ClassVar[str] = "allreduce"
 
     def why_not(self, codec):
+        if codec.shared_randomness:
+            return "its positions come from a shared key (reducer 'auto')"
         if not codec.linear:
             return ("its payload is not linear (summing quantized codes is wrong, and psum on "
                     "small integers wraps around)")
@@ -631,10 +623,8 @@ class AllReduce(Reducer):
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
                server_residual=None, server_error_feedback=True):
-        x = flat_bucket.concat(parts)
-        n = x.shape[0]
-        y = x if residuals is None else x + flat_bucket.concat(
-            [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+        y = _joined(parts, segments, residuals)
+        n = y.shape[0]
         payload = codec.encode_linear(y, key)
         local = codec.decode_linear(payload, n)
         total = codec.decode_linear(_compat.psum(payload, axis_name), n) / num_replicas
@@ -651,6 +641,9 @@ class AllGather(Reducer):
     """All-gather of every payload, each replica decodes and sums all: ``(N-1) P``."""
 
     name: ClassVar[str] = "allgather"
+
+    def why_not(self, codec):
+        return "its positions come from a shared key (reducer 'auto')" if codec.shared_randomness else None
 
     def bytes(self, codec, n, num_replicas, segments=None):
         m = self.padded_length(codec, n, num_replicas)
@@ -670,10 +663,7 @@ class AllGather(Reducer):
 
 def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual):
     """All-gather reducer of a codec whose selection spans leaves: the joined bucket."""
-    x = flat_bucket.concat(parts)
-    if residuals is not None:
-        x = x + flat_bucket.concat(
-            [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+    x = _joined(parts, segments, residuals)
     words, local = codec.encode_and_decode(x, key, segments)
     got = _compat.all_gather_invariant(words, axis_name, tiled=False)
     mean = codec.decode_sum(got, x.shape[0], segments) / num_replicas
@@ -695,7 +685,7 @@ class TwoPhase(Reducer):
     name: ClassVar[str] = "two_phase"
 
     def why_not(self, codec):
-        if codec.linear and not isinstance(codec, BlockCompressor):
+        if codec.shared_randomness or (codec.linear and not isinstance(codec, BlockCompressor)):
             return "its payload is summed by an all-reduce (a linear exchange)"
         return None
 
@@ -770,8 +760,55 @@ def _two_phase_exchange(codec, rows, chunk, axis_name, num_replicas, key, server
     return _compat.all_gather_invariant(words, axis_name, tiled=True), new_server
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedMask(Reducer):
+    """Codecs that keep the same ``K`` positions on every replica (random-k: positions
+    from a key shared by all replicas). Only the values travel, reduced as a dense vector
+    by the codec's ``value_codec``: fp32 in one all-reduce (``2 (N-1)/N * 4 K``), bf16 as
+    packed words through the two-phase reducer (``2 (N-1)/N * 2 K``), summed in fp32."""
+
+    name: ClassVar[str] = "shared_mask"
+
+    def why_not(self, codec):
+        return None if codec.shared_randomness else "its positions are not drawn from a shared key"
+
+    def _values(self, codec, k: int, num_replicas: int):
+        vcodec = codec.value_codec
+        kp = _round_up(max(k, 1), vcodec.alignment)
+        red = AllReduce() if AllReduce().why_not(vcodec) is None and vcodec.lossless else TwoPhase()
+        return vcodec, kp, red
+
+    def bytes(self, codec, n, num_replicas, segments=None):
+        vcodec, kp, red = self._values(codec, codec.num_kept(n, segments), num_replicas)
+        return red.bytes(vcodec, kp, num_replicas)
+
+    def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
+               server_residual=None, server_error_feedback=True):
+        x = _joined(parts, segments, residuals)
+        n = x.shape[0]
+        vals = codec.encode_linear(x, key, segments).astype(jnp.float32)
+        k = vals.shape[0]
+        vcodec, kp, red = self._values(codec, k, num_replicas)
+        seg = (Segment(0, k, kp, (k,)),)
+        res = red.reduce(vcodec, [jnp.pad(vals, (0, kp - k))], seg, axis_name=axis_name,
+                         num_replicas=num_replicas, key=None)
+        mean = codec.decode_linear(res.means[0], n, key, segments)
+        local = codec.decode_linear(vals, n, key, segments)
+        outs = flat_bucket.cut(local if residuals is None else x - local, segments)
+        return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual))
+
+
+def _joined(parts, segments, residuals):
+    """The bucket as one flat vector (``part + residual`` with error feedback)."""
+    x = flat_bucket.concat(parts)
+    if residuals is None:
+        return x
+    return x + flat_bucket.concat(
+        [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+
+
 REDUCERS = ("auto", "allreduce", "allgather", "two_phase")
-_REDUCER_OBJECTS = {r.name: r for r in (AllReduce(), AllGather(), TwoPhase())}
+_REDUCER_OBJECTS = {r.name: r for r in (AllReduce(), AllGather(), TwoPhase(), SharedMask())}
 
 
 def get_reducer(reducer: Any) -> Reducer:
@@ -818,6 +855,8 @@ def choose_reducer(codec: Compressor, reducer: Any, n: int, num_replicas: int,
         return None
     if reducer != "auto":
         return get_reducer(reducer)
+    if codec.shared_randomness:
+        return _REDUCER_OBJECTS["shared_mask"]
     options = []
     for rank, name in enumerate(("allreduce", "allgather", "two_phase")):
         obj = _REDUCER_OBJECTS[name]
@@ -835,15 +874,19 @@ def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[
                  segments: Sequence[Segment], *, axis_name: Any, num_replicas: int,
                  key: Optional[jax.Array], residuals: Optional[Sequence[jax.Array]] = None,
                  server_residual: Optional[jax.Array] = None,
-                 server_error_feedback: bool = True) -> PartsResult:
+                 server_error_feedback: bool = True,
+                 shared_key: Optional[jax.Array] = None) -> PartsResult:
     """The mean over ``axis_name`` of a bucket held as one padded flat part per segment
     (``parts[i]`` is ``segments[i].padded_size`` long, segments back to back).
 
     ``key`` is this replica's encoding key. With ``residuals`` (one per segment, its
     ``size`` long) each part is encoded as ``part + residual`` and
     :attr:`PartsResult.residuals` holds the new residuals; without, the local decodes.
-    ``reducer=None``: one replica, encode and decode only.
+    ``reducer=None``: one replica, encode and decode only. ``shared_key`` (the same on
+    every replica) is what codecs with ``shared_randomness`` (random-k) encode with.
     """
+    if codec.shared_randomness:
+        key = shared_key
     if reducer is None or axis_name is None or num_replicas <= 1:
         return _one_replica(codec, parts, segments, key, residuals, server_residual)
     return reducer.reduce(codec, parts, segments, axis_name=axis_name, num_replicas=num_replicas,

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from commjax.accounting import exact_mean_bytes, ring_bytes
+from commjax.collectives import choose_reducer
 from commjax.compressors.base import Compressor, Segment
-from commjax.reducers import choose_reducer, reducer_wire_bytes, server_residual_size
+from commjax.exchanges import exchange_for
 
 __all__ = ["CommunicationPlan", "make_plan", "communication_plan", "route_leaf"]
 
@@ -130,12 +131,16 @@ def make_plan(
     if check_finite and segments:
         exact += len(segments)
     n = offset
-    if compressor.has_exchange:
+    exchange = exchange_for(compressor)
+    server = 0
+    if exchange is not None:
         red = "custom" if num_replicas > 1 else "none"
-        comp_bytes = compressor.exchange_bytes(segments, num_replicas) if n and num_replicas > 1 else 0.0
+        comp_bytes = exchange.bytes(compressor, segments, num_replicas) if n and num_replicas > 1 else 0.0
     else:
-        red = choose_reducer(compressor, reducer, max(n, align), num_replicas, segments)
-        comp_bytes = reducer_wire_bytes(compressor, n, num_replicas, red, segments) if n else 0.0
+        obj = choose_reducer(compressor, reducer, max(n, align), num_replicas, segments)
+        red = "none" if obj is None else obj.name
+        comp_bytes = obj.bytes(compressor, n, num_replicas, segments) if n and obj else 0.0
+        server = obj.server_residual_size(compressor, n, num_replicas) if obj else 0
     exact_bytes = ring_bytes("all-reduce", 4 * exact, num_replicas) if exact else 0.0
     return CommunicationPlan(
         routes=tuple(routes),
@@ -145,7 +150,7 @@ def make_plan(
         exact_size=exact,
         num_replicas=num_replicas,
         reducer=red,
-        server_residual_size=server_residual_size(compressor, n, num_replicas, red),
+        server_residual_size=server,
         compressor_name=compressor.name,
         compressed_bytes=float(comp_bytes),
         exact_bytes=float(exact_bytes),

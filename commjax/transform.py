@@ -8,15 +8,19 @@ One step on replica ``i`` of ``N`` (all leaves of the compressed bucket at once)
     e_i  <- x_i - decode(p_i)              # worker residual (if error_feedback)
     return m
 
-The compressed leaves form one *bucket* (one payload, one set of collectives), but its
-full-size float vector is never written: ``x``, the residual and the mean are kept per
-leaf, block codecs encode each leaf into its share of the payload words
-(:func:`commjax.reducers.reduce_mean_parts`) and PowerSGD works leaf by leaf. Only
-codecs whose selection spans leaves (top-k, random-k, threshold) join ``x``.
+In stages, each one function: validate (axes bound, gradients unreduced, state shapes),
+plan (:mod:`commjax.plan`: which leaves are exact, compressed or passed through), the
+inner-axis mean (hierarchical meshes), the exact stage (one fp32 all-reduce of the small
+leaves with one NaN flag per compressed leaf: :func:`commjax.collectives.exact_mean`), the
+compressed stage (encode with error feedback and reduce:
+:func:`commjax.collectives.reduce_parts`, or a stateful exchange such as PowerSGD's:
+:mod:`commjax.exchanges`), then outputs, residuals and metrics.
 
-Small, 1-D and otherwise uncompressible floating leaves are averaged exactly in one fused
-fp32 all-reduce; integer leaves pass through. See :mod:`commjax.plan` for the routing and
-:mod:`commjax.reducers` for the bytes each reducer sends.
+The compressed leaves form one *bucket* (one payload, one set of collectives), but its
+full-size float vector is never written for block codecs: each leaf is encoded into its
+share of the payload words by the fused error-feedback + quantize + pack kernel, and
+decoded by the fused unpack + dequantize + sum kernel. Only codecs whose selection spans
+leaves (top-k, random-k, threshold) join ``x``.
 """
 
 from __future__ import annotations
@@ -26,21 +30,18 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from commjax import _compat, bucket as flat_bucket
+from commjax import _compat, bucket as flat_bucket, guards, validation
+from commjax.collectives import check_reducer, exact_mean, get_reducer, reduce_parts
 from commjax.compressors.base import Compressor
+from commjax.exchanges import exchange_for
+from commjax.guards import AxisNotBoundError
 from commjax.layout import per_replica
 from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
-from commjax.reducers import check_reducer, reduce_mean_parts
 
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
-
-
-class AxisNotBoundError(NameError):
-    """``compressed_mean`` was called where its mesh axis is not bound."""
 
 
 @per_replica("residual", "server_residual", "metrics")
@@ -97,28 +98,22 @@ class ExchangeConfig:
             check_finite=self.check_finite,
         )
 
+    @property
+    def feedback(self) -> bool:
+        """A worker residual is kept (a lossless codec's would always be zero)."""
+        return self.error_feedback and not self.compressor.lossless
+
 
 def _residual_shapes(cfg: ExchangeConfig, plan: CommunicationPlan) -> tuple[tuple[int, ...], ...]:
     """Shape of each worker residual the state holds: one flat array per compressed leaf,
     none without error feedback or for a lossless compressor."""
-    if not cfg.error_feedback or cfg.compressor.lossless:
+    if not cfg.feedback:
         return ()
     return tuple((s.size,) for s in plan.segments)
 
 
-def _unbound_message(axis_name: Any) -> str:
-    return (
-        f"compressed_mean: mesh axis {axis_name!r} is not bound here. Gradient compression "
-        "needs each replica's own gradient, so the update must run inside jax.shard_map (or "
-        "jax.pmap) over that axis, e.g.\n\n"
-        "    step = jax.jit(jax.shard_map(train_step, mesh=mesh,\n"
-        f"        in_specs=(P(), cj.state_specs(opt_state, {axis_name!r}), P({axis_name!r})),\n"
-        f"        out_specs=(P(), cj.state_specs(opt_state, {axis_name!r}))))\n\n"
-        "or pass axis_name=None to study the compressor on one replica without communication."
-    )
-
-
 def _num_replicas_now(cfg: ExchangeConfig) -> int:
+    """Replicas the state is sized for at ``init`` (see ``num_replicas``)."""
     if cfg.axis_name is None:
         return 1
     if _compat.axis_is_bound(cfg.axis_name):
@@ -135,190 +130,189 @@ def _num_replicas_now(cfg: ExchangeConfig) -> int:
     return jax.device_count()
 
 
-def _check_unreduced(leaves, routes, axis_name) -> None:
-    """Under check_vma=True, refuse gradients that JAX has already summed over the axis."""
-    tracked = _compat.varying_axes(lax.axis_index(axis_name))
-    if not tracked or axis_name not in tracked:
-        return  # check_vma=False or pmap: nothing is tracked
-    for leaf, r in zip(leaves, routes):
-        if r == PASS:
-            continue
-        vma = _compat.varying_axes(leaf)
-        if vma is not None and axis_name not in vma:
-            raise ValueError(
-                f"compressed_mean: a gradient leaf of shape {jnp.shape(leaf)} is replicated "
-                f"(invariant) over {axis_name!r}: under shard_map(check_vma=True) JAX sums the "
-                "gradient of replicated parameters over the axis itself, before any "
-                "compression. Take the gradient with respect to "
-                f"cj.vary(params, {axis_name!r}) instead, or run shard_map with "
-                "check_vma=False."
-            )
+# ------------------------------------------------------------------ the step, in stages
 
 
-def _all_finite(x: jax.Array) -> jax.Array:
-    """``jnp.all(jnp.isfinite(x))``, mostly from one sum: a finite sum proves every element
-    finite (a NaN or an infinity would make it non-finite), and a reduction to one number
-    is several times cheaper than the elementwise test on CPU. Only a non-finite sum (a
-    NaN or Inf, or a sum that overflowed) runs the elementwise test to decide."""
-    total = jnp.sum(x, dtype=jnp.float32)
-    return lax.cond(jnp.isfinite(total), lambda v: jnp.isfinite(total),
-                    lambda v: jnp.all(jnp.isfinite(v)), x)
-
-
-def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    axis = cfg.axis_name
-    for name in (axis, cfg.inner_axis_name):
-        if name is not None and not _compat.axis_is_bound(name):
-            raise AxisNotBoundError(_unbound_message(name))
-    n_rep = 1 if axis is None else _compat.axis_size(axis)
+def _validate(cfg: ExchangeConfig, leaves, state: CompressedMeanState):
+    """Axes bound, gradients unreduced, the state made for these gradients: ``(plan, N)``."""
+    n_rep = guards.check_bound(cfg.axis_name, "compressed_mean")
+    guards.check_bound(cfg.inner_axis_name, "compressed_mean")
     plan = cfg.plan(leaves, n_rep)
-    if axis is not None:
-        _check_unreduced(leaves, plan.routes, axis)
-    if cfg.inner_axis_name is not None:
-        # Exact mean over the fast inner axis first; only the slow axis sees compression.
-        inner = cfg.inner_axis_name
-        leaves = [
-            l if r == PASS else (_compat.psum(l.astype(jnp.float32), inner)
-                                 / _compat.axis_size(inner)).astype(l.dtype)
-            for l, r in zip(leaves, plan.routes)
-        ]
+    if cfg.axis_name is not None:
+        guards.check_unreduced(leaves, cfg.axis_name, "compressed_mean")
     want = _residual_shapes(cfg, plan)
     have = tuple(tuple(jnp.shape(r)) for r in state.residual)
     if have != want:
         raise ValueError(
             f"compressed_mean: the state's residual holds arrays of shapes {have} but these "
             f"gradients need {want} (one per compressed leaf): was the state made by init() "
-            "for other parameters or other options?"
-        )
+            "for other parameters or other options?")
     if state.server_residual.shape[0] != plan.server_residual_size:
         raise ValueError(
             "compressed_mean: the state was initialised for a different number of replicas "
             f"(server residual of {state.server_residual.shape[0]} elements, {n_rep} replicas "
             f"need {plan.server_residual_size}). Pass num_replicas={n_rep} to compressed_mean, "
-            "or create the state with cj.init_sharded(tx, params, mesh, axis_name)."
-        )
+            "or create the state with cj.init_sharded(tx, params, mesh, axis_name).")
+    return plan, n_rep
 
-    step_key = jax.random.fold_in(state.key, state.count)
-    replica_key = step_key if axis is None else jax.random.fold_in(step_key, lax.axis_index(axis))
 
-    out: list[Any] = list(leaves)
+def _inner_mean(cfg: ExchangeConfig, leaves, plan: CommunicationPlan) -> list:
+    """Hierarchical exchange: the exact mean over the fast inner axis comes first; only
+    the slow axis sees compression."""
+    if cfg.inner_axis_name is None:
+        return list(leaves)
+    inner = cfg.inner_axis_name
+    size = _compat.axis_size(inner)
+    return [l if r == PASS else (_compat.psum(l.astype(jnp.float32), inner) / size).astype(l.dtype)
+            for l, r in zip(leaves, plan.routes)]
+
+
+class _Exact(NamedTuple):
+    out: dict  # leaf index -> exact mean (exact leaves, and compressed ones sent directly)
+    local_ok: list  # per compressed leaf: finite on this replica
+    global_bad: list  # per compressed leaf: non-finite on some replica
+    bucket: Any  # the exact all-reduce's result (to sequence the compressed collectives)
+
+
+def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: int) -> _Exact:
+    """The exact fp32 mean of the exact leaves in one all-reduce, with one NaN flag per
+    compressed leaf riding along; a lossless linear codec (the fp32 identity) sends its
+    leaves as further operands of the same collective."""
     exact_idx = [i for i, r in enumerate(plan.routes) if r == EXACT]
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
-    ef = cfg.error_feedback and not cfg.compressor.lossless
-    # A lossless linear payload (the fp32 identity) is the leaf itself: its leaves join the
-    # exact bucket's all-reduce as further operands of the same collective, uncopied.
-    direct = cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
-
-    # Per-leaf local finiteness of the compressed leaves, shared through the exact bucket.
-    # Without check_finite nothing is tested: a NaN flows through the codec into the mean,
-    # identically on every replica (they all decode the same payloads).
-    check = cfg.check_finite
-    local_ok = [_all_finite(leaves[i]) for i in comp_idx] if check else []
+    local_ok = [guards.all_finite(leaves[i]) for i in comp_idx] if cfg.check_finite else []
     flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok]
-    exact_parts = [jnp.ravel(leaves[i]).astype(jnp.float32) for i in exact_idx] + flags
-    direct_parts = [leaves[i].astype(jnp.float32) for i in comp_idx] if direct else []
-    global_bad = [jnp.logical_not(ok) for ok in local_ok]
-    bucket = None
-    if exact_parts or direct_parts:
-        bucket = flat_bucket.concat(exact_parts) if exact_parts else jnp.zeros((0,), jnp.float32)
-        if axis is not None:
-            bucket, *direct_parts = [v / n_rep for v in _compat.psum([bucket] + direct_parts, axis)]
-        pos = 0
-        for i in exact_idx:
-            size = int(np.prod(plan.shapes[i])) if plan.shapes[i] else 1
-            out[i] = bucket[pos:pos + size].reshape(plan.shapes[i]).astype(leaves[i].dtype)
-            pos += size
-        if check:
-            # `!= 0` is also True for a NaN flag.
-            global_bad = [bucket[pos + k] != 0 for k in range(len(comp_idx))]
-    any_bad = jnp.any(jnp.stack(global_bad)) if global_bad else jnp.zeros((), bool)
+    direct = comp_idx if _direct(cfg, plan) else []
+    axis = cfg.axis_name
+    means, extra = exact_mean([leaves[i] for i in exact_idx] + flags, axis, n_rep,
+                              extra=[leaves[i] for i in direct])
+    out = {i: m.reshape(plan.shapes[i]).astype(leaves[i].dtype) for i, m in zip(exact_idx, means)}
+    out.update(zip(direct, extra))
+    # `!= 0` is also True for a NaN flag.
+    global_bad = [f[0] != 0 for f in means[len(exact_idx):]] if cfg.check_finite else []
+    bucket = means[0] if means else None
+    return _Exact(out, local_ok, global_bad, bucket)
 
-    new_residual = state.residual
+
+def _direct(cfg: ExchangeConfig, plan: CommunicationPlan) -> bool:
+    return cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
+
+
+class _Compressed(NamedTuple):
+    means: list  # per compressed leaf, flat float32
+    residuals: list  # per compressed leaf, new worker residual (fp32), or []
+    server_residual: jax.Array
+    compressor_state: Any
+    metrics: dict
+
+
+def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact, any_bad) -> _Compressed:
+    """Encode and reduce the compressed leaves (each its own padded part; the joined
+    float bucket is never written for block codecs), with error feedback."""
+    comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
+    segs = plan.segments
+    parts = [jnp.pad(jnp.ravel(leaves[i]).astype(jnp.float32), (0, s.padded_size - s.size))
+             for i, s in zip(comp_idx, segs)]
+    if cfg.check_finite and not cfg.compressor.leaf_local:
+        # A non-finite leaf would spoil the others' encoding: it contributes zeros.
+        # Decided once for the bucket (a select inside the fusion that joins it is slow).
+        ok = exact.local_ok
+        parts = lax.cond(jnp.all(jnp.stack(ok)), lambda ps: list(ps),
+                         lambda ps: [jnp.where(o, p, 0.0) for p, o in zip(ps, ok)], parts)
+    if exact.bucket is not None and cfg.axis_name is not None:
+        # Sequence the exact all-reduce before the compressed collectives: XLA may start
+        # independent collectives in different orders on different devices, which
+        # deadlocks runtimes that rendezvous per collective (CPU).
+        _, parts = lax.optimization_barrier((exact.bucket, parts))
+    residuals = list(state.residual) if cfg.feedback else None
+    comp_metrics = {}
+    if cfg.compressor.metric_names:
+        comp_metrics = cfg.compressor.local_metrics(_with_residuals(parts, residuals, segs), segs)
+    exchange = exchange_for(cfg.compressor)
+    if exchange is not None:
+        xs = parts if residuals is None else [
+            p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
+            for p, r, s in zip(parts, residuals, segs)]
+        means, locals_, cs = exchange.run(
+            cfg.compressor, xs, segs, state.compressor_state,
+            axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
+            shared_key=keys[0], count=state.count)
+        new_res = [] if residuals is None else [x[:s.size] - l for x, l, s in zip(xs, locals_, segs)]
+        cs = guards.keep_if(any_bad, state.compressor_state, cs) if cfg.check_finite else cs
+        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics)
+    server = state.server_residual if plan.server_residual_size else None
+    res = reduce_parts(
+        cfg.compressor, None if plan.reducer == "none" else get_reducer(plan.reducer), parts, segs,
+        axis_name=cfg.axis_name, num_replicas=n_rep, key=keys[1], residuals=residuals,
+        server_residual=server, server_error_feedback=cfg.server_error_feedback,
+        shared_key=keys[0])
     new_server = state.server_residual
-    new_comp_state = state.compressor_state
-    comp_metrics: dict = {}
-    if comp_idx and direct:
-        for k, i in enumerate(comp_idx):
-            m = jnp.where(global_bad[k], jnp.nan, direct_parts[k]) if check else direct_parts[k]
-            out[i] = m.astype(leaves[i].dtype)
-    elif comp_idx:
-        # x_i = g_i + e_i, one padded part per leaf.
-        xs = []
-        for k, i in enumerate(comp_idx):
-            g = jnp.ravel(leaves[i]).astype(jnp.float32)
-            xs.append(g + state.residual[k].astype(jnp.float32) if ef else g)
-        parts = [jnp.pad(x, (0, seg.padded_size - seg.size)) for x, seg in zip(xs, plan.segments)]
-        if check and not cfg.compressor.leaf_local:
-            # A non-finite leaf would spoil the others' encoding: it contributes zeros.
-            # (Leaf-local codecs keep it in its own blocks, and its mean is NaN anyway.)
-            # Decided once for the bucket: a select inside the fusion that joins the
-            # bucket made it several times slower on CPU.
-            parts = lax.cond(
-                jnp.all(jnp.stack(local_ok)), lambda ps: list(ps),
-                lambda ps: [jnp.where(ok, p, 0.0) for p, ok in zip(ps, local_ok)], parts)
-            xs = [p[:seg.size] for p, seg in zip(parts, plan.segments)]
-        if bucket is not None and axis is not None:
-            # Sequence the exact all-reduce before the compressed collectives: XLA may
-            # otherwise start independent collectives in a different order on different
-            # devices, which deadlocks runtimes that rendezvous per collective (CPU).
-            bucket, parts = lax.optimization_barrier((bucket, parts))
-        if cfg.compressor.metric_names:
-            comp_metrics = cfg.compressor.local_metrics(flat_bucket.concat(parts), plan.segments)
-        if cfg.compressor.has_exchange:
-            means, locals_, comp_state = cfg.compressor.exchange_parts(
-                parts, plan.segments, state.compressor_state,
-                axis_name=axis if n_rep > 1 else None, num_replicas=n_rep, key=replica_key,
-                shared_key=step_key, count=state.count,
-            )
-            new_comp_state = comp_state
-            if check:
-                # The flags are shared, so this keeps the replicated state replicated.
-                new_comp_state = jax.tree_util.tree_map(
-                    lambda new, old: jnp.where(any_bad, old, new), comp_state, state.compressor_state
-                )
-        else:
-            # Block codecs encode leaf by leaf: the joined bucket is never written.
-            res = reduce_mean_parts(
-                cfg.compressor, parts, plan.segments, axis_name=axis, num_replicas=n_rep,
-                reducer=plan.reducer, key=replica_key, shared_key=step_key,
-                server_residual=state.server_residual if plan.server_residual_size else None,
-                server_error_feedback=cfg.server_error_feedback,
-            )
-            means, locals_ = res.means, res.locals
-            if plan.server_residual_size:
-                new_server = res.server_residual
-                if check:
-                    new_server = jnp.where(any_bad, state.server_residual, new_server)
-        res_parts = []
-        for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
-            m = means[k]
-            if axis is not None and n_rep == 1:
-                # An axis of size one: no reducer ran; a (free) psum types the mean replicated.
-                m = _compat.psum(m, axis)
-            if check:
-                m = jnp.where(global_bad[k], jnp.nan, m)
-            out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
-            if ef:
-                # Compilers may fuse decode's last multiply into this subtraction (FMA):
-                # then e' is x - C(x) rounded once instead of twice (<= 1 ulp apart).
-                e = (xs[k] - locals_[k]).astype(cfg.residual_dtype)
-                if check:
-                    e = jnp.where(global_bad[k], state.residual[k], e)
-                res_parts.append(e)
-        if ef:
-            new_residual = tuple(res_parts)
+    if server is not None:
+        new_server = res.server_residual
+        if cfg.check_finite:
+            new_server = jnp.where(any_bad, server, new_server)
+    return _Compressed(res.means, res.residuals if residuals is not None else [], new_server,
+                       state.compressor_state, comp_metrics)
 
-    metrics = {
-        "residual_norm": jnp.sqrt(sum((jnp.sum(jnp.square(e.astype(jnp.float32))) for e in new_residual),
-                                      jnp.zeros((), jnp.float32))).reshape(1),
-        "nonfinite": any_bad.astype(jnp.float32).reshape(1),
-    }
+
+def _with_residuals(parts, residuals, segments):
+    """``x = g + e`` as one flat vector (the codecs' metrics read it)."""
+    if residuals is None:
+        return flat_bucket.concat(parts)
+    return flat_bucket.concat([p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
+                               for p, r, s in zip(parts, residuals, segments)])
+
+
+def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Compressed], n_rep):
+    """Outputs in the leaves' shapes and dtypes, NaN on every replica for a non-finite
+    leaf, and the new residuals (the old ones kept on such a leaf)."""
+    out = list(leaves)
+    for i, v in exact.out.items():
+        out[i] = v
+    comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
+    bad = exact.global_bad
+    for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
+        m = out[i] if comp is None else comp.means[k]
+        if comp is not None and cfg.axis_name is not None and n_rep == 1:
+            m = _compat.psum(m, cfg.axis_name)  # no reducer ran: a free psum types it replicated
+        if cfg.check_finite:
+            m = jnp.where(bad[k], jnp.nan, m)
+        out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
+    new_residual = state.residual
+    if comp is not None and comp.residuals:
+        new_residual = tuple(
+            (jnp.where(bad[k], state.residual[k], e) if cfg.check_finite else e).astype(cfg.residual_dtype)
+            for k, e in enumerate(comp.residuals))
+    return out, new_residual
+
+
+def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics) -> dict:
+    norm = jnp.sqrt(sum((jnp.sum(jnp.square(e.astype(jnp.float32))) for e in residual),
+                        jnp.zeros((), jnp.float32)))
+    metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
+    return metrics
+
+
+def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    plan, n_rep = _validate(cfg, leaves, state)
+    leaves = _inner_mean(cfg, leaves, plan)
+    step_key = jax.random.fold_in(state.key, state.count)
+    replica_key = step_key if cfg.axis_name is None else jax.random.fold_in(
+        step_key, lax.axis_index(cfg.axis_name))
+    exact = _exact_stage(cfg, leaves, plan, n_rep)
+    any_bad = jnp.any(jnp.stack(exact.global_bad)) if exact.global_bad else jnp.zeros((), bool)
+    comp = None
+    if plan.segments and not _direct(cfg, plan):
+        comp = _compressed_stage(cfg, leaves, plan, state, (step_key, replica_key), n_rep, exact, any_bad)
+    out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, n_rep)
     new_state = CompressedMeanState(
-        count=state.count + 1, key=state.key, residual=new_residual, server_residual=new_server,
-        compressor_state=new_comp_state, metrics=metrics,
+        count=state.count + 1, key=state.key, residual=residual,
+        server_residual=state.server_residual if comp is None else comp.server_residual,
+        compressor_state=state.compressor_state if comp is None else comp.compressor_state,
+        metrics=_metrics(cfg, residual, any_bad, {} if comp is None else comp.metrics),
     )
     return jax.tree_util.tree_unflatten(treedef, out), new_state
 
@@ -360,7 +354,7 @@ def compressed_mean(
     each replica's own gradient, and replicas would disagree on whether to communicate.
 
     Bytes per step and device: see :func:`commjax.communication_plan` (and
-    :mod:`commjax.reducers` for the formulas).
+    :class:`commjax.collectives.Reducer` for the formulas).
 
     Args:
       compressor: a commjax compressor (``cj.quantize(bits=4)``, ``cj.sign()``, ...).
@@ -402,39 +396,24 @@ def compressed_mean(
     if not isinstance(compressor, Compressor):
         raise TypeError(
             f"compressed_mean: `compressor` must be a commjax compressor such as "
-            f"cj.quantize(bits=8), got {compressor!r}."
-        )
-    if compressor.has_exchange:
-        if reducer not in ("auto",):
-            raise ValueError(
-                f"compressed_mean: {compressor.name} runs its own exchange; `reducer` must be "
-                f"'auto', got {reducer!r}."
-            )
-    else:
-        check_reducer(compressor, reducer)
-    if inner_axis_name is not None:
-        if axis_name is None:
-            raise ValueError("compressed_mean: `inner_axis_name` needs an outer `axis_name`.")
-        outer = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
-        inner_set = set(inner_axis_name) if isinstance(inner_axis_name, (tuple, list)) else {inner_axis_name}
-        if outer & inner_set:
-            raise ValueError(
-                f"compressed_mean: `inner_axis_name` ({inner_axis_name!r}) must differ from "
-                f"`axis_name` ({axis_name!r}): the inner axis is averaged exactly, the outer "
-                "one compressed."
-            )
-    if isinstance(min_compress_size, bool) or not isinstance(min_compress_size, int) or min_compress_size < 1:
-        raise ValueError(f"compressed_mean: `min_compress_size` must be an integer >= 1, got {min_compress_size!r}.")
-    rname = jnp.dtype(residual_dtype).name
-    if rname not in ("float32", "bfloat16", "float16"):
+            f"cj.quantize(bits=8), got {compressor!r}.")
+    exchange = exchange_for(compressor)
+    if exchange is not None and reducer != "auto":
         raise ValueError(
-            f"compressed_mean: `residual_dtype` must be jnp.float32, jnp.bfloat16 or jnp.float16; got {residual_dtype!r}."
-        )
-    if num_replicas is not None and (not isinstance(num_replicas, int) or num_replicas < 1):
-        raise ValueError(f"compressed_mean: `num_replicas` must be a positive integer or None, got {num_replicas!r}.")
+            f"compressed_mean: {compressor.name} runs its own exchange; `reducer` must be "
+            f"'auto', got {reducer!r}.")
+    if exchange is None:
+        check_reducer(compressor, reducer)
+    factory = "compressed_mean"
+    validation.check_axis_pair(axis_name, inner_axis_name, factory=factory)
+    validation.check_int("min_compress_size", min_compress_size, 1, factory=factory)
+    validation.check_dtype("residual_dtype", residual_dtype, ("float32", "bfloat16", "float16"),
+                           factory=factory)
+    if num_replicas is not None:
+        validation.check_positive_int("num_replicas", num_replicas, factory=factory)
     cfg = ExchangeConfig(
-        compressor=compressor, axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
-        inner_axis_name=tuple(inner_axis_name) if isinstance(inner_axis_name, list) else inner_axis_name,
+        compressor=compressor, axis_name=validation.normalize_axis(axis_name),
+        inner_axis_name=validation.normalize_axis(inner_axis_name),
         error_feedback=bool(error_feedback), reducer=reducer, min_compress_size=min_compress_size,
         compress_vectors=bool(compress_vectors), residual_dtype=jnp.dtype(residual_dtype),
         server_error_feedback=bool(server_error_feedback), check_finite=bool(check_finite),
@@ -442,29 +421,31 @@ def compressed_mean(
     )
 
     def init_fn(params):
-        leaves = jax.tree_util.tree_leaves(params)
-        n_rep = _num_replicas_now(cfg)
-        plan = cfg.plan(leaves, n_rep)
-        key = jax.random.PRNGKey(cfg.seed)
-        comp_state = ()
-        if compressor.has_exchange and plan.segments:
-            comp_state = compressor.init_exchange_state(
-                plan.segments, n_rep, jax.random.fold_in(key, 0xC0DE)
-            )
-        metrics = {name: jnp.zeros((1,), jnp.float32)
-                   for name in ("residual_norm", "nonfinite") + tuple(compressor.metric_names)}
-        return CompressedMeanState(
-            count=jnp.zeros((), jnp.int32),
-            key=key,
-            residual=tuple(jnp.zeros(shape, cfg.residual_dtype) for shape in _residual_shapes(cfg, plan)),
-            server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
-            compressor_state=comp_state,
-            metrics=metrics,
-        )
+        return _init(cfg, params)
 
     def update_fn(updates, state, params=None):
         del params
         return _update(cfg, updates, state)
 
-    tx = optax.GradientTransformation(init_fn, update_fn)
-    return tx
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _init(cfg: ExchangeConfig, params) -> CompressedMeanState:
+    leaves = jax.tree_util.tree_leaves(params)
+    n_rep = _num_replicas_now(cfg)
+    plan = cfg.plan(leaves, n_rep)
+    key = jax.random.PRNGKey(cfg.seed)
+    exchange = exchange_for(cfg.compressor)
+    comp_state = ()
+    if exchange is not None and plan.segments:
+        comp_state = exchange.init_state(cfg.compressor, plan.segments, n_rep,
+                                         jax.random.fold_in(key, 0xC0DE))
+    names = ("residual_norm", "nonfinite") + tuple(cfg.compressor.metric_names)
+    return CompressedMeanState(
+        count=jnp.zeros((), jnp.int32),
+        key=key,
+        residual=tuple(jnp.zeros(shape, cfg.residual_dtype) for shape in _residual_shapes(cfg, plan)),
+        server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
+        compressor_state=comp_state,
+        metrics={name: jnp.zeros((1,), jnp.float32) for name in names},
+    )

@@ -527,7 +527,8 @@ def test_pmap_and_check_vma_false(mesh):
 @pytest.mark.parametrize("r", [1, 4, 8, 16])
 def test_thin_products_match_the_dense_ones(r):
     """M^T P (computed on CPU as a streaming pass for r <= 8) and P Q^T equal the dots."""
-    from commjax.compressors.powersgd import _low_rank_product, _transposed_product
+    from commjax.compressors.powersgd import low_rank_product as _low_rank_product
+    from commjax.compressors.powersgd import transposed_product as _transposed_product
 
     rng = np.random.default_rng(r)
     m = rng.standard_normal((96, 80)).astype(np.float32)
@@ -539,8 +540,12 @@ def test_thin_products_match_the_dense_ones(r):
                                p.astype(np.float64) @ q.T, rtol=1e-5, atol=1e-5)
 
 
-def test_exchange_on_a_flat_bucket_equals_the_leaf_by_leaf_exchange():
+def test_one_replica_exchange_is_a_rank_r_orthogonal_projection_per_leaf():
+    """``M_hat = P^ P^^T M``: rank <= r and ``M_hat^T (M - M_hat) = 0`` for every leaf."""
+    from commjax.exchanges import exchange_for
+
     comp = powersgd(rank=2)
+    ex = exchange_for(comp)
     shapes = [(24, 16), (24, 16), (10, 30)]
     segs, off = [], 0
     for s in shapes:
@@ -548,12 +553,13 @@ def test_exchange_on_a_flat_bucket_equals_the_leaf_by_leaf_exchange():
         segs.append(Segment(off, n, n, s))
         off += n
     x = jax.random.normal(jax.random.PRNGKey(0), (off,))
-    state = comp.init_exchange_state(segs, 1, jax.random.PRNGKey(1))
-    kw = dict(axis_name=None, num_replicas=1, key=None, shared_key=jax.random.PRNGKey(2),
-              count=jnp.int32(0))
-    mean, local, s1 = comp.exchange(x, segs, state, **kw)
-    means, locals_, s2 = comp.exchange_parts([x[s.offset:s.offset + s.size] for s in segs],
-                                             segs, state, **kw)
-    np.testing.assert_array_equal(np.asarray(mean), np.concatenate([np.asarray(m) for m in means]))
-    np.testing.assert_array_equal(np.asarray(local), np.asarray(mean))
-    assert same_bits(s1, s2)
+    state = ex.init_state(comp, segs, 1, jax.random.PRNGKey(1))
+    parts = [x[s.offset:s.offset + s.size] for s in segs]
+    means, locals_, _ = ex.run(comp, parts, segs, state, axis_name=None, num_replicas=1,
+                               shared_key=jax.random.PRNGKey(2), count=jnp.int32(0))
+    for p, m, l, s in zip(parts, means, locals_, segs):
+        mat = np.asarray(p, np.float64).reshape(s.shape)
+        hat = np.asarray(m, np.float64).reshape(s.shape)
+        np.testing.assert_array_equal(np.asarray(l), np.asarray(m))
+        assert np.linalg.matrix_rank(hat, tol=1e-4 * np.abs(hat).max()) <= 2
+        np.testing.assert_allclose(hat.T @ (mat - hat), 0.0, atol=1e-4 * np.abs(mat).sum())

@@ -1,4 +1,4 @@
-"""Leaf-by-leaf reduction of block codecs (``reduce_mean_parts``) against the joined bucket.
+"""Leaf-by-leaf reduction of block codecs (``collectives.reduce_parts``) against the joined bucket.
 
 ``compressed_mean`` hands a block codec the bucket as one array per leaf and never joins
 it: each leaf is encoded on its own (its noise drawn at its position in the bucket) and
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import commjax as cj
 from commjax import _compat, bucket
 from commjax.compressors.base import Segment
-from commjax.reducers import reduce_mean, reduce_mean_parts
+from commjax.collectives import get_reducer, reduce_parts
 from commjax.testing import block_codecs, ready
 
 N = 8
@@ -80,13 +80,14 @@ def test_parts_reduction_equals_the_joined_reduction(mesh, name, reducer):
     def both(ps, srv):
         ps = [p[0] for p in ps]
         key = jax.random.fold_in(jax.random.PRNGKey(2), jax.lax.axis_index("data"))
-        kw = dict(axis_name="data", num_replicas=N, reducer=reducer, key=key,
-                  shared_key=jax.random.PRNGKey(3),
+        kw = dict(axis_name="data", num_replicas=N, key=key,
                   server_residual=srv[0] if reducer == "two_phase" else None)
-        a = reduce_mean_parts(comp, ps, segs, **kw)
-        b = reduce_mean(comp, bucket.concat(ps), segments=segs, **kw)
-        cut = lambda v: bucket.cut(v, segs)  # noqa: E731
-        return (a.means, a.locals, a.server_residual[None]), (cut(b.mean), cut(b.local), b.server_residual[None])
+        red = get_reducer(reducer)
+        a = reduce_parts(comp, red, ps, segs, **kw)
+        whole = (Segment(0, n, n, (n,)),)
+        b = reduce_parts(comp, red, [bucket.concat(ps)], whole, **kw)
+        cut = lambda v: bucket.cut(v[0], segs)  # noqa: E731
+        return (a.means, a.residuals, a.server_residual[None]), (cut(b.means), cut(b.residuals), b.server_residual[None])
 
     spec = ([P("data")] * len(parts), P("data"))
     f = jax.jit(_compat.shard_map(both, mesh=mesh, in_specs=spec,

@@ -1,7 +1,7 @@
 """What a compressor is: an immutable codec between float vectors and wire words.
 
 A compressor never communicates. It turns a flat float32 vector into a *payload* of
-unsigned 32-bit words and back; the reducers in :mod:`commjax.reducers` move payloads
+unsigned 32-bit words and back; the collectives in :mod:`commjax.collectives` move payloads
 between replicas, and :func:`commjax.compressed_mean` adds error feedback around both.
 
 Two families share this interface:
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from commjax import bucket as flat_bucket
+from commjax.validation import check_choice, check_positive_int
 
 __all__ = [
     "Compressor",
@@ -55,20 +55,6 @@ class Segment:
     shape: tuple[int, ...]
 
 
-def check_positive_int(name: str, value: Any, *, factory: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{factory}: `{name}` must be a positive integer, got {value!r}.")
-    return value
-
-
-def check_choice(name: str, value: Any, allowed: Sequence[Any], *, factory: str) -> Any:
-    if value not in allowed:
-        raise ValueError(
-            f"{factory}: `{name}` must be one of {', '.join(map(repr, allowed))}; got {value!r}."
-        )
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class Compressor:
     """Base class of every compressor. Instances are immutable and hashable.
@@ -76,7 +62,6 @@ class Compressor:
     Class attributes describe how a payload may travel:
 
     * ``linear``: payloads may be summed with ``psum`` (see module docstring);
-    * ``chunkable``: a payload is a stack of independent block rows (two-phase capable);
     * ``stochastic``: ``encode`` consumes randomness that must differ per replica;
     * ``shared_randomness``: ``encode`` consumes randomness that must be *identical* on
       every replica (random-k masks).
@@ -89,12 +74,10 @@ class Compressor:
     # Each segment's payload and decode depend on that segment's values only (no block,
     # selection or factor spans two leaves): a NaN in one leaf cannot reach another.
     leaf_local: ClassVar[bool] = False
-    chunkable: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
 
-    # A compressor that runs its own exchange (several collectives, state of its own:
-    # PowerSGD) sets this and implements the three ``exchange*`` methods below.
+    # Run by a stateful exchange (commjax.exchanges: PowerSGD), not by a reducer.
     has_exchange: ClassVar[bool] = False
     # Names of the per-replica scalar metrics that local_metrics() returns.
     metric_names: ClassVar[tuple[str, ...]] = ()
@@ -114,47 +97,6 @@ class Compressor:
         feedback subtracts. Kernels may compute both in one pass."""
         words = self.encode(x, key, segments)
         return words, self.decode(words, x.shape[0], segments)
-
-    def init_exchange_state(self, segments: Sequence[Segment], num_replicas: int, key: jax.Array) -> Any:
-        """Replicated state of a custom exchange (``has_exchange``), e.g. PowerSGD's Q."""
-        return ()
-
-    def exchange(
-        self,
-        x: jax.Array,
-        segments: Sequence[Segment],
-        state: Any,
-        *,
-        axis_name: Any,
-        num_replicas: int,
-        key: Optional[jax.Array],
-        shared_key: jax.Array,
-        count: jax.Array,
-    ) -> tuple[jax.Array, jax.Array, Any]:
-        """Custom exchange of the flat bucket ``x``: returns ``(mean, local, new_state)``,
-        ``mean`` identical on every replica and ``local`` what error feedback subtracts
-        from ``x``. ``axis_name=None`` means one replica and no collective."""
-        raise NotImplementedError
-
-    def exchange_parts(
-        self,
-        parts: Sequence[jax.Array],
-        segments: Sequence[Segment],
-        state: Any,
-        **kwargs: Any,
-    ) -> tuple[list[jax.Array], list[jax.Array], Any]:
-        """:meth:`exchange` on the bucket held as one array per segment (``parts[i]`` is
-        ``segments[i].padded_size`` long): returns the mean and the local decode per
-        segment, each ``segments[i].size`` long, and the new state.
-        :func:`commjax.compressed_mean` calls this; the default joins the parts into the
-        flat bucket and calls :meth:`exchange`. A compressor that works leaf by leaf
-        (PowerSGD) overrides it and never builds the flat bucket."""
-        mean, local, new_state = self.exchange(flat_bucket.concat(parts), segments, state, **kwargs)
-        return flat_bucket.cut(mean, segments), flat_bucket.cut(local, segments), new_state
-
-    def exchange_bytes(self, segments: Sequence[Segment], num_replicas: int) -> float:
-        """Analytic per-device ring bytes of one :meth:`exchange`."""
-        raise NotImplementedError
 
     # Flat buffers handed to encode() have a length that is a multiple of this.
     @property
@@ -215,11 +157,11 @@ class Compressor:
         n = flat.shape[0]
         padded = -(-max(n, 1) // self.alignment) * self.alignment
         size = padded
-        if self.chunkable:
+        if isinstance(self, BlockCompressor):
             # Blocks are independent: compile once per size class, not once per shape.
             size = 1 << (padded - 1).bit_length()
             size = -(-size // self.alignment) * self.alignment
-        segments = None if self.chunkable else (Segment(0, n, padded, tuple(x.shape)),)
+        segments = None if isinstance(self, BlockCompressor) else (Segment(0, n, padded, tuple(x.shape)),)
         out = _jit_roundtrip(self, jnp.pad(flat, (0, size - n)), key, segments)
         return out[:n].reshape(x.shape).astype(x.dtype)
 
@@ -232,7 +174,6 @@ class BlockCompressor(Compressor):
     ``[num_blocks, block_size]`` arrays; the flat interface and chunking come from here.
     """
 
-    chunkable: ClassVar[bool] = True
     leaf_local: ClassVar[bool] = True  # segments are padded to whole blocks
 
     @property

@@ -70,11 +70,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from commjax import _compat, bucket as flat_bucket, noise
+from commjax import noise
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import Compressor, Segment, check_choice, check_positive_int
 
-__all__ = ["PowerSGD", "PowerSGDState", "powersgd", "orthogonalize", "matrix_shape"]
+__all__ = ["PowerSGD", "PowerSGDState", "powersgd", "orthogonalize", "matrix_shape", "shared_uniform",
+           "reseed", "seeded", "low_rank_product", "transposed_product"]
 
 ORTHOGONALIZATIONS = ("gram_schmidt", "qr")
 _HIGHEST = lax.Precision.HIGHEST
@@ -207,7 +208,7 @@ def orthogonalize(
     return _gram_schmidt(a, float(epsilon))
 
 
-def _shared_uniform(key: jax.Array, salt: int, shape: tuple[int, ...]) -> jax.Array:
+def shared_uniform(key: jax.Array, salt: int, shape: tuple[int, ...]) -> jax.Array:
     """i.i.d. ``U(-sqrt 3, sqrt 3)`` (zero mean, unit variance) entries, a pure function of
     ``key``, ``salt`` and the position: identical on every replica that holds ``key``.
 
@@ -219,7 +220,7 @@ def _shared_uniform(key: jax.Array, salt: int, shape: tuple[int, ...]) -> jax.Ar
     return (2.0 * u - 1.0) * jnp.float32(math.sqrt(3.0))
 
 
-def _reseed(a: jax.Array, key: jax.Array, salt: int, epsilon: float) -> jax.Array:
+def reseed(a: jax.Array, key: jax.Array, salt: int, epsilon: float) -> jax.Array:
     """Replace the dead columns of ``[G, k, r]`` (norm <= epsilon * the largest column of
     that matrix, so every column of an all-zero matrix) by fresh shared random columns.
 
@@ -227,11 +228,11 @@ def _reseed(a: jax.Array, key: jax.Array, salt: int, epsilon: float) -> jax.Arra
     ``Q``, and the warm-started iteration would stay at zero for ever."""
     norms = _col_norms(a)
     dead = norms <= epsilon * jnp.max(norms, axis=-1, keepdims=True)
-    fresh = _shared_uniform(key, salt, a.shape)
+    fresh = shared_uniform(key, salt, a.shape)
     return jnp.where(dead[..., None, :], fresh, a)
 
 
-def _seeded(key: jax.Array, seed: int) -> jax.Array:
+def seeded(key: jax.Array, seed: int) -> jax.Array:
     """``key`` with the compressor's ``seed`` mixed in (the key itself when seed is 0)."""
     if seed == 0:
         return key
@@ -241,20 +242,7 @@ def _seeded(key: jax.Array, seed: int) -> jax.Array:
     return words.at[0].set(noise.fmix32(words[0] ^ noise.fmix32(jnp.uint32(seed & 0xFFFFFFFF) + jnp.uint32(0x1B873593))))
 
 
-def _mean(v: jax.Array, axis_name: Any, num_replicas: int) -> jax.Array:
-    if axis_name is None:
-        return v
-    return _compat.psum(v, axis_name) / num_replicas
-
-
-def _fused_mean(parts: Sequence[jax.Array], axis_name: Any, num_replicas: int) -> list[jax.Array]:
-    """Mean over replicas of several arrays in ONE all-reduce (a variadic ``psum``)."""
-    if axis_name is None:
-        return list(parts)
-    return [v / num_replicas for v in _compat.psum(list(parts), axis_name)]
-
-
-def _transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
+def transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
     """``M^T P`` (``[n, r]``) for ``M`` ``[m, n]`` and a thin ``P`` ``[m, r]``.
 
     XLA:CPU runs this dot, which contracts the large matrix over its leading axis, about
@@ -275,7 +263,7 @@ def _transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
     return lax.platform_dependent(m, p, cpu=streamed, default=dot)
 
 
-def _low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
+def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
     """``P Q^T`` (``[m, n]``) for thin ``P`` ``[m, r]`` and ``Q`` ``[n, r]``: the dot.
 
     ``M_hat`` is written once and read by both of its consumers (the mean and the
@@ -306,7 +294,7 @@ class PowerSGD(Compressor):
     alternating: bool = False
 
     name: ClassVar[str] = "powersgd"
-    has_exchange: ClassVar[bool] = True
+    has_exchange: ClassVar[bool] = True  # run by commjax.exchanges.powersgd
     # Factors are per leaf: the fused all-reduces add slot by slot, and Gram-Schmidt runs
     # per matrix (a stacked group is a batch, and zero-padding stays zero).
     leaf_local: ClassVar[bool] = True
@@ -331,7 +319,7 @@ class PowerSGD(Compressor):
         r = min(self.rank, m, n)
         return m * n >= self.min_compression_rate * (m + n) * r
 
-    def _groups(self, segments: Sequence[Segment]) -> tuple[_Group, ...]:
+    def groups(self, segments: Sequence[Segment]) -> tuple[_Group, ...]:
         return _make_groups(self, tuple(segments))
 
     # -------------------------------------------------------------- bytes and metrics
@@ -339,7 +327,7 @@ class PowerSGD(Compressor):
     def _factor_floats(self, segments: Sequence[Segment]) -> tuple[int, int]:
         """Floats of all ``P`` and of all ``Q`` of one step."""
         fp = fq = 0
-        for g in self._groups(segments):
+        for g in self.groups(segments):
             fp += len(g.members) * g.m * g.r
             fq += len(g.members) * g.n * g.r
         return fp, fq
@@ -378,23 +366,15 @@ class PowerSGD(Compressor):
             "compressed_leaves": jnp.asarray(len(segments), jnp.float32),
         }
 
-    # -------------------------------------------------------------- state
+    # -------------------------------------------------------------- maths
 
-    def init_exchange_state(
-        self, segments: Sequence[Segment], num_replicas: int, key: jax.Array
-    ) -> PowerSGDState:
-        """Initial ``Q`` per group: i.i.d. unit-variance entries from ``key``, identical on
-        every replica (orthonormalized too, and ``P = 0``, with ``alternating``)."""
-        if not self.warm_start:
-            return PowerSGDState(q=(), p=())
-        return _initial_state(self, tuple(segments), key)
-
-    def _orth(self, a: jax.Array) -> jax.Array:
+    def orth(self, a: jax.Array) -> jax.Array:
+        """Orthonormal columns of ``[..., k, r]`` by the configured method."""
         if self.orthogonalization == "qr":
             return jnp.linalg.qr(a, mode="reduced")[0]
         return _gram_schmidt(a, self.epsilon)
 
-    def _orth_all(self, mats: Sequence[jax.Array]) -> list[jax.Array]:
+    def orth_all(self, mats: Sequence[jax.Array]) -> list[jax.Array]:
         """Orthogonalize every group's ``[G, k, r]`` factors.
 
         Gram-Schmidt runs once for all groups when zero-padding them to a common
@@ -404,147 +384,20 @@ class PowerSGD(Compressor):
         rank-deficient inputs, so ``"qr"`` always runs per group.)"""
         mats = list(mats)
         if len(mats) == 1 or self.orthogonalization == "qr":
-            return [self._orth(a) for a in mats]
+            return [self.orth(a) for a in mats]
         kmax = max(a.shape[1] for a in mats)
         rmax = max(a.shape[2] for a in mats)
         size = sum(a.size for a in mats)
         if sum(a.shape[0] for a in mats) * kmax * rmax > 2 * size:
-            return [self._orth(a) for a in mats]
+            return [self.orth(a) for a in mats]
         padded = jnp.concatenate(
             [jnp.pad(a, ((0, 0), (0, kmax - a.shape[1]), (0, rmax - a.shape[2]))) for a in mats])
-        out = self._orth(padded)
+        out = self.orth(padded)
         res, pos = [], 0
         for a in mats:
             res.append(out[pos:pos + a.shape[0], :a.shape[1], :a.shape[2]])
             pos += a.shape[0]
         return res
-
-    def exchange(
-        self,
-        x: jax.Array,
-        segments: Sequence[Segment],
-        state: PowerSGDState,
-        **kwargs: Any,
-    ) -> tuple[jax.Array, jax.Array, PowerSGDState]:
-        """:meth:`exchange_parts` on a flat bucket ``x``; returns flat ``(mean, local, state)``
-        (zeros in the segments' padding)."""
-        segments = tuple(segments)
-        parts = [x[s.offset:s.offset + s.padded_size] for s in segments]
-        mean, local, new_state = self.exchange_parts(parts, segments, state, **kwargs)
-
-        def flat(vs: Sequence[jax.Array]) -> jax.Array:
-            out = flat_bucket.concat([jnp.pad(v, (0, s.padded_size - s.size))
-                                      for v, s in zip(vs, segments)])
-            if out.shape[0] != x.shape[0]:
-                raise ValueError(f"powersgd: the segments cover {out.shape[0]} elements but "
-                                 f"the bucket has {x.shape[0]}")
-            return out
-
-        return flat(mean), flat(local), new_state
-
-    def exchange_parts(
-        self,
-        parts: Sequence[jax.Array],
-        segments: Sequence[Segment],
-        state: PowerSGDState,
-        *,
-        axis_name: Any,
-        num_replicas: int,
-        key: Optional[jax.Array],
-        shared_key: jax.Array,
-        count: jax.Array,
-    ) -> tuple[list[jax.Array], list[jax.Array], PowerSGDState]:
-        """One step: exact mean in the warm-up, then PowerSGD (see the module docstring).
-
-        Works leaf by leaf: each leaf's matrix is a view of its own part (never copied
-        into a stacked or flat buffer), and its ``M_hat`` is returned as its own array.
-        Returns per segment ``(M_hat, M_hat, new_state)`` in the PowerSGD phase (error
-        feedback keeps ``x - M_hat``) and ``(mean, x, state)`` in the warm-up (no residual
-        builds up).
-        """
-        del key  # PowerSGD is deterministic; only the shared key is used.
-        segments = tuple(segments)
-        groups = self._groups(segments)
-        shared = _seeded(shared_key, self.seed)
-        leaves = [p[:s.size] for p, s in zip(parts, segments)]
-        # mats[g][j]: member j of group g as its m x n matrix (a reshape, no copy).
-        mats = [[leaves[i].reshape(g.m, g.n) for i in g.members] for g in groups]
-        n_rep = num_replicas
-
-        def right(ms: list, qs: jax.Array) -> jax.Array:  # [G, m, r] = M_j Q_j
-            return jnp.stack([jnp.matmul(m, qs[j], precision=_HIGHEST) for j, m in enumerate(ms)])
-
-        def left(ms: list, ps: jax.Array) -> jax.Array:  # [G, n, r] = M_j^T P_j
-            return jnp.stack([_transposed_product(m, ps[j]) for j, m in enumerate(ms)])
-
-        def finish(ps: Sequence[jax.Array], qs: Sequence[jax.Array], new_state: PowerSGDState):
-            mean = [None] * len(segments)
-            for g, p, q in zip(groups, ps, qs):
-                for j, i in enumerate(g.members):
-                    mean[i] = _low_rank_product(p[j], q[j]).reshape(-1)
-            local = mean if axis_name is None else [_compat.vary(m, axis_name) for m in mean]
-            return mean, local, new_state
-
-        def warmup(_):
-            return _fused_mean(leaves, axis_name, n_rep), list(leaves), state
-
-        def both(_):
-            qs = []
-            for gi, g in enumerate(groups):
-                if self.warm_start:
-                    q = _reseed(state.q[gi], shared, 2 * gi, self.epsilon)
-                else:
-                    q = _shared_uniform(shared, 2 * gi, (len(g.members), g.n, g.r))
-                qs.append(q)
-            qs = self._orth_all(qs)
-            ps = _fused_mean([right(ms, q) for ms, q in zip(mats, qs)], axis_name, n_rep)
-            ps = self._orth_all(ps)
-            qs = _fused_mean([left(ms, p) for ms, p in zip(mats, ps)], axis_name, n_rep)
-            new = PowerSGDState(q=tuple(qs), p=()) if self.warm_start else state
-            return finish(ps, qs, new)
-
-        def p_step(_):
-            # P = M_bar Q^ with the stored orthonormal Q^: M_hat = M_bar Q^ Q^^T.
-            ps = _fused_mean([right(ms, q) for ms, q in zip(mats, state.q)], axis_name, n_rep)
-            new_p = tuple(self._orth_all(
-                [_reseed(p, shared, 2 * gi + 1, self.epsilon) for gi, p in enumerate(ps)]))
-            return finish(ps, state.q, PowerSGDState(q=state.q, p=new_p))
-
-        def q_step(_):
-            # Q = M_bar^T P^ with the stored orthonormal P^: M_hat = P^ P^^T M_bar.
-            qs = _fused_mean([left(ms, p) for ms, p in zip(mats, state.p)], axis_name, n_rep)
-            new_q = tuple(self._orth_all(
-                [_reseed(q, shared, 2 * gi, self.epsilon) for gi, q in enumerate(qs)]))
-            return finish(state.p, qs, PowerSGDState(q=new_q, p=state.p))
-
-        count = jnp.asarray(count, jnp.int32)
-        start = self.start_step
-        if not self.alternating:
-            if start == 0:
-                return both(None)
-            return lax.cond(count < start, warmup, both, None)
-        phase = jnp.remainder(jnp.maximum(count - start, 0), 2)  # 0: P-step, 1: Q-step
-        if start == 0:
-            return lax.cond(phase == 0, p_step, q_step, None)
-        index = jnp.where(count < start, 0, 1 + phase)
-        return lax.switch(index, (warmup, p_step, q_step), None)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _initial_state(c: PowerSGD, segments: tuple[Segment, ...], key: jax.Array) -> PowerSGDState:
-    """Compiled once per configuration: eager, the hash and Gram-Schmidt ops would each
-    compile on their own."""
-    key = _seeded(key, c.seed)
-    qs, ps = [], []
-    for gi, g in enumerate(c._groups(segments)):
-        q = _shared_uniform(key, 2 * gi, (len(g.members), g.n, g.r))
-        if c.alternating:
-            ps.append(jnp.zeros((len(g.members), g.m, g.r), jnp.float32))
-        qs.append(q)
-    if c.alternating:
-        qs = c._orth_all(qs)
-    return PowerSGDState(q=tuple(qs), p=tuple(ps))
-
 
 @functools.lru_cache(maxsize=256)
 def _make_groups(c: PowerSGD, segments: tuple[Segment, ...]) -> tuple[_Group, ...]:

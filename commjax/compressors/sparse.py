@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from commjax.compressors.base import Compressor, Segment, check_choice
+from commjax.compressors.exact import cast, identity
 
 __all__ = [
     "TopK",
@@ -366,9 +367,8 @@ class RandomK(Compressor):
     name: ClassVar[str] = "random_k"
     linear: ClassVar[bool] = True
     shared_randomness: ClassVar[bool] = True
-    # The reducers' decode_linear() receives no key, and the positions are needed to
-    # decode: random_k runs its exchange itself (an all-reduce of the k values).
-    has_exchange: ClassVar[bool] = True
+    # Only the K values travel (commjax.collectives.SharedMask reduces them): decoding
+    # needs the positions, which the shared key gives.
     metric_names: ClassVar[tuple[str, ...]] = ("density",)
 
     @property
@@ -450,47 +450,11 @@ class RandomK(Compressor):
         words = jnp.concatenate([raw, _pack_values(vals.astype(jnp.float32), self.values_dtype_name)])
         return words, self.decode_linear(vals, x.shape[0], raw, segments)
 
-    # The exchange: one reduction of the K values through the existing reducers.
-    def _value_codec(self) -> Compressor:
-        from commjax.compressors.exact import cast, identity
-
+    @property
+    def value_codec(self) -> Compressor:
+        """How the ``K`` values travel: fp32 (:func:`identity`, one all-reduce) or bf16
+        (:func:`cast`, packed words summed in fp32 by the two-phase reducer)."""
         return identity() if self.values_dtype_name == "float32" else cast(jnp.bfloat16)
-
-    def _value_plan(self, k: int, num_replicas: int) -> tuple[int, str]:
-        from commjax.reducers import choose_reducer
-
-        codec = self._value_codec()
-        kp = -(-k // codec.alignment) * codec.alignment
-        # fp32 values: one all-reduce. bf16 values: never a 16-bit psum (XLA on CPU widens
-        # it to f32, and a 16-bit sum loses precision): packed words through the two-phase
-        # reducer, summed in fp32.
-        want = "allreduce" if self.values_dtype_name == "float32" else "two_phase"
-        red = choose_reducer(codec, want, max(kp, codec.alignment), num_replicas)
-        return kp, red
-
-    def exchange(self, x, segments, state, *, axis_name, num_replicas, key, shared_key, count):
-        from commjax.reducers import reduce_mean
-
-        n = x.shape[0]
-        raw = _raw_key(shared_key)
-        vals = self.encode_linear(x, raw, segments).astype(jnp.float32)
-        k = vals.shape[0]
-        n_rep = num_replicas if axis_name is not None else 1
-        kp, red = self._value_plan(k, n_rep)
-        res = reduce_mean(
-            self._value_codec(), jnp.pad(vals, (0, kp - k)), axis_name=axis_name,
-            num_replicas=n_rep, reducer=red, key=None, shared_key=None,
-        )
-        mean = self.decode_linear(res.mean[:k], n, raw, segments)
-        local = self.decode_linear(res.local[:k], n, raw, segments)
-        return mean, local, state
-
-    def exchange_bytes(self, segments, num_replicas):
-        from commjax.reducers import reducer_wire_bytes
-
-        n = sum(int(s.padded_size) for s in segments)
-        kp, red = self._value_plan(self.num_kept(n, segments), num_replicas)
-        return reducer_wire_bytes(self._value_codec(), kp, num_replicas, red)
 
     def local_metrics(self, x, segments):
         """``density``: fraction of the bucket's entries sent (``K / n``, static)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,17 +36,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from commjax import _compat
+from commjax import bucket as flat_bucket, guards, validation
 from commjax.accounting import ring_bytes
+from commjax.collectives import exact_mean, get_reducer, reduce_parts
+from commjax.compressors.base import Segment
 from commjax.compressors.sparse import TopK, top_k
 from commjax.layout import per_replica
 from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
-from commjax.reducers import reduce_mean
-from commjax.transform import AxisNotBoundError, _check_unreduced, _unbound_message
 
 __all__ = ["DGCState", "dgc", "dgc_communication_plan", "dgc_ratios"]
-
-ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 METRIC_NAMES = ("density", "ratio", "residual_norm", "nonfinite")
 
@@ -142,143 +140,131 @@ def _init(cfg: _Config, params: Any) -> DGCState:
     )
 
 
-def _update(cfg: _Config, updates: Any, state: DGCState, params: Any):
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    axis = cfg.axis_name
-    if axis is not None and not _compat.axis_is_bound(axis):
-        raise AxisNotBoundError(_unbound_message(axis).replace("compressed_mean", "dgc", 1))
-    n_rep = 1 if axis is None else _compat.axis_size(axis)
+def _validate(cfg: _Config, leaves, state: DGCState):
+    """Axis bound, gradients unreduced, state made for them: ``(plan, N)``."""
+    n_rep = guards.check_bound(cfg.axis_name, "dgc")
     plan = cfg.plan(leaves, n_rep)
-    if axis is not None:
-        _check_unreduced(leaves, plan.routes, axis)
+    if cfg.axis_name is not None:
+        guards.check_unreduced(leaves, cfg.axis_name, "dgc")
     if state.momentum.shape[0] != plan.compressed_size:
         raise ValueError(
             f"dgc: the state's momentum has {state.momentum.shape[0]} elements but these "
             f"gradients need {plan.compressed_size}: was the state made by init() for other "
-            "parameters?"
-        )
+            "parameters?")
+    return plan, n_rep
+
+
+def _local_gradients(cfg: _Config, leaves, treedef, plan, params, n_rep):
+    """fp32 local gradients with weight decay and local clipping; ``(g, finite here)``."""
     floats = [i for i, r in enumerate(plan.routes) if r != PASS]
     g = {i: leaves[i].astype(jnp.float32) for i in floats}
     if cfg.weight_decay:
         if params is None:
             raise ValueError("dgc: weight_decay needs the parameters: call update(grads, state, params).")
         p_leaves = treedef.flatten_up_to(params)
-        for i in floats:
-            g[i] = g[i] + cfg.weight_decay * p_leaves[i].astype(jnp.float32)
-
-    local_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g[i])) for i in floats])) if floats else jnp.array(True)
+        g = {i: g[i] + cfg.weight_decay * p_leaves[i].astype(jnp.float32) for i in floats}
+    local_ok = jnp.all(jnp.stack([guards.all_finite(g[i]) for i in floats])) if floats else jnp.array(True)
     if cfg.clip_norm is not None and floats:
-        # Local clipping, threshold scaled by N^{-1/2} (the sum of N independent local
-        # gradients then has about the norm of one clipped global gradient).
+        # Threshold scaled by N^{-1/2}: the sum of N independent local gradients then has
+        # about the norm of one clipped global gradient.
         thr = cfg.clip_norm / math.sqrt(n_rep)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(jnp.where(local_ok, g[i], 0.0))) for i in floats))
         scale = jnp.where(norm > thr, thr / jnp.where(norm > 0, norm, 1.0), 1.0)
         g = {i: g[i] * scale for i in floats}
+    return g, local_ok
 
+
+def _momentum(cfg: _Config, u, v, g):
+    """Momentum correction: ``u <- m u + g, v <- v + u`` (Nesterov: ``u <- m (u + g)``,
+    ``v <- v + u + g``); ``v`` is None for the dense leaves (returns the update)."""
+    mom = cfg.momentum
+    if cfg.nesterov:
+        u = mom * (u + g)
+        return u, (u + g) if v is None else v + u + g
+    u = mom * u + g
+    return u, u if v is None else v + u
+
+
+def _sparse_exchange(cfg: _Config, v, plan, state: DGCState, n_rep: int):
+    """Top-k of ``v`` per leaf at this stage's density, all-gathered: ``(mean, local)``,
+    ``local`` this replica's own sent entries (zeros elsewhere)."""
+    segs = plan.segments
+    parts = [v[s.offset:s.offset + s.padded_size] for s in segs]
+    red = None if plan.reducer == "none" else get_reducer(plan.reducer)
+
+    def branch(codec: TopK):
+        def reduce(ps):
+            res = reduce_parts(codec, red, ps, segs, axis_name=cfg.axis_name if n_rep > 1 else None,
+                               num_replicas=n_rep, key=None)
+            return flat_bucket.concat(res.means), flat_bucket.concat(res.residuals)
+        return reduce
+
+    branches = [branch(c) for c in cfg.codecs()]
+    if len(branches) == 1:
+        return branches[0](parts)
+    return lax.switch(_stage(cfg, state.count), branches, parts)
+
+
+def _update(cfg: _Config, updates: Any, state: DGCState, params: Any):
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    plan, n_rep = _validate(cfg, leaves, state)
+    g, local_ok = _local_gradients(cfg, leaves, treedef, plan, params, n_rep)
     exact_idx = [i for i, r in enumerate(plan.routes) if r == EXACT]
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
-
-    # Exact bucket, with one non-finite flag riding along.
     flag = jnp.where(local_ok, 0.0, 1.0).reshape(1)
-    bucket = jnp.concatenate([jnp.ravel(g[i]) for i in exact_idx] + [flag])
-    if axis is not None:
-        bucket = _compat.psum(bucket, axis) / n_rep
-    bad = bucket[-1] != 0  # also True for a NaN flag
-    g_exact = bucket[:-1]
-
+    means, _ = exact_mean([g[i] for i in exact_idx] + [flag], cfg.axis_name, n_rep)
+    bad = means[-1][0] != 0  # also True for a NaN flag
+    lr = jnp.asarray(cfg.learning_rate(state.count) if callable(cfg.learning_rate)
+                     else cfg.learning_rate, jnp.float32)
     out: list[Any] = [jnp.zeros_like(l) for l in leaves]
-    lr = cfg.learning_rate(state.count) if callable(cfg.learning_rate) else cfg.learning_rate
-    lr = jnp.asarray(lr, jnp.float32)
-    mom = cfg.momentum
-
     # Exact leaves: momentum SGD on the exact mean, replicated buffer.
-    du = state.dense_momentum
-    if cfg.nesterov:
-        du_new = mom * (du + g_exact)
-        d_upd = du_new + g_exact
-    else:
-        du_new = mom * du + g_exact
-        d_upd = du_new
-    new_dense = jnp.where(bad, du, du_new)
-    pos = 0
-    for i in exact_idx:
-        size = _size(plan.shapes[i])
-        u = -lr * d_upd[pos:pos + size]
-        out[i] = jnp.where(bad, jnp.nan, u).reshape(plan.shapes[i]).astype(leaves[i].dtype)
-        pos += size
-
+    g_exact = flat_bucket.concat(means[:-1]) if exact_idx else jnp.zeros((0,), jnp.float32)
+    du_new, d_upd = _momentum(cfg, state.dense_momentum, None, g_exact)
+    new_dense = jnp.where(bad, state.dense_momentum, du_new)
+    for i, s in zip(exact_idx, flat_bucket.cut(d_upd, _offsets(plan, exact_idx))):
+        out[i] = jnp.where(bad, jnp.nan, -lr * s).reshape(plan.shapes[i]).astype(leaves[i].dtype)
     new_u, new_v = state.momentum, state.accumulation
     density = jnp.zeros((), jnp.float32)
     if comp_idx:
-        gc = jnp.concatenate([jnp.ravel(g[i]) for i in comp_idx])
-        gc = jnp.where(local_ok, gc, 0.0)
-        u, v = state.momentum, state.accumulation
-        if cfg.nesterov:
-            u = mom * (u + gc)
-            v = v + u + gc
-        else:
-            u = mom * u + gc
-            v = v + u
-        if axis is not None:
+        gc = jnp.where(local_ok, flat_bucket.concat([jnp.ravel(g[i]) for i in comp_idx]), 0.0)
+        u, v = _momentum(cfg, state.momentum, state.accumulation, gc)
+        if cfg.axis_name is not None:
             # Exact all-reduce first: the same collective order on every device.
-            bucket, v = lax.optimization_barrier((bucket, v))
-
-        def branch(codec: TopK) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
-            def reduce(vv: jax.Array) -> tuple[jax.Array, jax.Array]:
-                res = reduce_mean(
-                    codec, vv, axis_name=axis if n_rep > 1 else None, num_replicas=n_rep,
-                    reducer=plan.reducer, key=None, shared_key=None, segments=plan.segments,
-                )
-                return res.mean, res.local
-
-            return reduce
-
-        branches = [branch(c) for c in cfg.codecs()]
-        if len(branches) == 1:
-            mean, local = branches[0](v)
-        else:
-            mean, local = lax.switch(_stage(cfg, state.count), branches, v)
+            _, v = lax.optimization_barrier((means[-1], v))
+        mean, local = _sparse_exchange(cfg, v, plan, state, n_rep)
+        # Sent entries leave the accumulation (the bf16 rounding error stays), and their
+        # momentum is masked.
         sent = local != 0
-        # Sent entries leave the accumulation (exactly zero in fp32; the bf16 rounding
-        # error stays), and their momentum is masked.
         v_out = v - local
-        u_out = jnp.where(sent, 0.0, u)
         new_v = jnp.where(bad, state.accumulation, v_out)
-        new_u = jnp.where(bad, state.momentum, u_out)
+        new_u = jnp.where(bad, state.momentum, jnp.where(sent, 0.0, u))
         density = jnp.sum(sent).astype(jnp.float32) / max(plan.compressed_size, 1)
         upd = jnp.where(bad, jnp.nan, -lr * mean)
         for i, seg in zip(comp_idx, plan.segments):
             out[i] = upd[seg.offset:seg.offset + seg.size].reshape(seg.shape).astype(leaves[i].dtype)
-
-    stage_ratio = jnp.asarray(cfg.ratios, jnp.float32)[_stage(cfg, state.count)]
     metrics = {
         "density": density.reshape(1),
-        "ratio": stage_ratio.reshape(1),
+        "ratio": jnp.asarray(cfg.ratios, jnp.float32)[_stage(cfg, state.count)].reshape(1),
         "residual_norm": jnp.linalg.norm(new_v).reshape(1),
         "nonfinite": bad.astype(jnp.float32).reshape(1),
     }
-    new_state = DGCState(
-        count=state.count + 1, momentum=new_u, accumulation=new_v,
-        dense_momentum=new_dense, metrics=metrics,
-    )
+    new_state = DGCState(count=state.count + 1, momentum=new_u, accumulation=new_v,
+                         dense_momentum=new_dense, metrics=metrics)
     return jax.tree_util.tree_unflatten(treedef, out), new_state
 
 
-def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool, hi_open: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.floating, np.integer))
-    v = float(value) if ok else float("nan")
-    if ok and math.isfinite(v):
-        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    else:
-        ok = False
-    if not ok:
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"dgc: `{name}` must be a number in {interval}, got {value!r}.")
-    return v
+def _offsets(plan, idx):
+    """Segments of the exact leaves ``idx`` laid back to back (for ``bucket.cut``)."""
+    out, pos = [], 0
+    for i in idx:
+        size = _size(plan.shapes[i])
+        out.append(Segment(pos, size, size, plan.shapes[i]))
+        pos += size
+    return out
 
 
 def dgc(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     *,
     momentum: float = 0.9,
     ratio: float = 0.001,
@@ -342,22 +328,23 @@ def dgc(
       An ``optax.GradientTransformation`` whose state is a :class:`DGCState`. Lay it out
       for ``shard_map`` with :func:`commjax.shard_state` / :func:`commjax.state_specs`.
     """
-    ratio = _check_float("ratio", ratio, 0.0, 1.0, lo_open=True, hi_open=False)
-    momentum = _check_float("momentum", momentum, 0.0, 1.0, lo_open=False, hi_open=True)
+    f = "dgc"
+    ratio = validation.check_ratio("ratio", ratio, factory=f)
+    momentum = validation.check_float("momentum", momentum, 0.0, 1.0, factory=f, hi_open=True)
     if not callable(learning_rate):
-        _check_float("learning_rate", learning_rate, 0.0, float("inf"), lo_open=False, hi_open=True)
+        validation.check_float("learning_rate", learning_rate, 0.0, math.inf, factory=f, hi_open=True)
     if clip_norm is not None:
-        clip_norm = _check_float("clip_norm", clip_norm, 0.0, float("inf"), lo_open=True, hi_open=True)
-    weight_decay = _check_float("weight_decay", weight_decay, 0.0, float("inf"), lo_open=False, hi_open=True)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-        raise ValueError(f"dgc: `warmup_steps` must be an integer >= 0, got {warmup_steps!r}.")
+        clip_norm = validation.check_float("clip_norm", clip_norm, 0.0, math.inf, factory=f,
+                                           lo_open=True, hi_open=True)
+    weight_decay = validation.check_float("weight_decay", weight_decay, 0.0, math.inf, factory=f,
+                                          hi_open=True)
+    validation.check_int("warmup_steps", warmup_steps, 0, factory=f)
     if warmup_ratios is not None:
         if isinstance(warmup_ratios, (str, bytes)) or not isinstance(warmup_ratios, Sequence):
             raise ValueError(f"dgc: `warmup_ratios` must be None or a sequence of densities in (0, 1], got {warmup_ratios!r}.")
         for r in warmup_ratios:
-            _check_float("warmup_ratios", r, 0.0, 1.0, lo_open=True, hi_open=False)
-    if isinstance(min_compress_size, bool) or not isinstance(min_compress_size, int) or min_compress_size < 1:
-        raise ValueError(f"dgc: `min_compress_size` must be an integer >= 1, got {min_compress_size!r}.")
+            validation.check_ratio("warmup_ratios", r, factory=f)
+    validation.check_int("min_compress_size", min_compress_size, 1, factory=f)
     codec = top_k(ratio, approximate=approximate, scope=scope, values_dtype=values_dtype, chunk_size=chunk_size)
     cfg = _Config(
         learning_rate=learning_rate, momentum=momentum,

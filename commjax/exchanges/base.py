@@ -1,0 +1,37 @@
+"""The interface of an exchange (see :mod:`commjax.exchanges`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+
+from commjax.compressors.base import Compressor, Segment
+
+__all__ = ["Exchange"]
+
+
+class Exchange:
+    """How a stateful compressor averages a bucket over a mesh axis.
+
+    The bucket is held as one padded flat part per :class:`Segment`; the state is
+    replicated (identical on every replica) and lives in
+    ``CompressedMeanState.compressor_state``.
+    """
+
+    def init_state(self, codec: Compressor, segments: Sequence[Segment], num_replicas: int,
+                   key: jax.Array) -> Any:
+        """The replicated state before the first step (``key`` is shared by all replicas)."""
+        return ()
+
+    def run(self, codec: Compressor, parts: Sequence[jax.Array], segments: Sequence[Segment],
+            state: Any, *, axis_name: Any, num_replicas: int, shared_key: jax.Array,
+            count: jax.Array) -> tuple[list, list, Any]:
+        """One step: ``(means, locals, new_state)``, per segment ``size``-long arrays;
+        ``means`` identical on every replica, ``locals`` what error feedback subtracts
+        from this replica's input. ``axis_name=None``: one replica, no collective."""
+        raise NotImplementedError
+
+    def bytes(self, codec: Compressor, segments: Sequence[Segment], num_replicas: int) -> float:
+        """Analytic per-device ring bytes of one (steady-state) step."""
+        raise NotImplementedError

@@ -1,0 +1,150 @@
+"""PowerSGD's exchange: two fused all-reduces of low-rank factors per step.
+
+The maths (orthogonalization, shared random starts, the products) and the bytes live with
+the configuration in :mod:`commjax.compressors.powersgd`; this module runs one step over a
+mesh axis (see that module's docstring for the algorithm and every phase's bytes):
+exact fp32 mean during the warm-up (``start_step``), then ``P = M_bar Q^`` and
+``Q = M_bar^T P^`` (or one of them per step with ``alternating``), all ``P`` of a step
+in one variadic ``psum`` and all ``Q`` in a second one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import _compat
+from commjax.compressors.base import Segment
+from commjax.compressors.powersgd import (
+    PowerSGD,
+    PowerSGDState,
+    low_rank_product,
+    reseed,
+    seeded,
+    shared_uniform,
+    transposed_product,
+)
+from commjax.exchanges.base import Exchange
+
+__all__ = ["PowerSGDExchange", "fused_mean"]
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def fused_mean(parts: Sequence[jax.Array], axis_name: Any, num_replicas: int) -> list[jax.Array]:
+    """Mean over replicas of several arrays in ONE all-reduce (a variadic ``psum``)."""
+    if axis_name is None:
+        return list(parts)
+    return [v / num_replicas for v in _compat.psum(list(parts), axis_name)]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _initial_state(c: PowerSGD, segments: tuple[Segment, ...], key: jax.Array) -> PowerSGDState:
+    """Compiled once per configuration: eager, the hash and Gram-Schmidt ops would each
+    compile on their own."""
+    key = seeded(key, c.seed)
+    qs, ps = [], []
+    for gi, g in enumerate(c.groups(segments)):
+        qs.append(shared_uniform(key, 2 * gi, (len(g.members), g.n, g.r)))
+        if c.alternating:
+            ps.append(jnp.zeros((len(g.members), g.m, g.r), jnp.float32))
+    if c.alternating:
+        qs = c.orth_all(qs)
+    return PowerSGDState(q=tuple(qs), p=tuple(ps))
+
+
+class _Step:
+    """One step's matrices and collectives; each phase is one method."""
+
+    def __init__(self, c: PowerSGD, parts, segments, state, axis_name, num_replicas, shared_key):
+        self.c, self.state, self.axis, self.n = c, state, axis_name, num_replicas
+        self.segments = tuple(segments)
+        self.groups = c.groups(self.segments)
+        self.shared = seeded(shared_key, c.seed)
+        self.leaves = [p[:s.size] for p, s in zip(parts, self.segments)]
+        # mats[g][j]: member j of group g as its m x n matrix (a reshape, no copy).
+        self.mats = [[self.leaves[i].reshape(g.m, g.n) for i in g.members] for g in self.groups]
+
+    def mean(self, parts):
+        return fused_mean(parts, self.axis, self.n)
+
+    def right(self, ms, qs):  # [G, m, r] = M_j Q_j
+        return jnp.stack([jnp.matmul(m, qs[j], precision=_HIGHEST) for j, m in enumerate(ms)])
+
+    def left(self, ms, ps):  # [G, n, r] = M_j^T P_j
+        return jnp.stack([transposed_product(m, ps[j]) for j, m in enumerate(ms)])
+
+    def finish(self, ps, qs, new_state):
+        mean = [None] * len(self.segments)
+        for g, p, q in zip(self.groups, ps, qs):
+            for j, i in enumerate(g.members):
+                mean[i] = low_rank_product(p[j], q[j]).reshape(-1)
+        local = mean if self.axis is None else [_compat.vary(m, self.axis) for m in mean]
+        return mean, local, new_state
+
+    def warmup(self, _):
+        return self.mean(self.leaves), list(self.leaves), self.state
+
+    def both(self, _):
+        c = self.c
+        qs = []
+        for gi, g in enumerate(self.groups):
+            if c.warm_start:
+                qs.append(reseed(self.state.q[gi], self.shared, 2 * gi, c.epsilon))
+            else:
+                qs.append(shared_uniform(self.shared, 2 * gi, (len(g.members), g.n, g.r)))
+        qs = c.orth_all(qs)
+        ps = c.orth_all(self.mean([self.right(ms, q) for ms, q in zip(self.mats, qs)]))
+        qs = self.mean([self.left(ms, p) for ms, p in zip(self.mats, ps)])
+        new = PowerSGDState(q=tuple(qs), p=()) if c.warm_start else self.state
+        return self.finish(ps, qs, new)
+
+    def p_step(self, _):
+        # P = M_bar Q^ with the stored orthonormal Q^: M_hat = M_bar Q^ Q^^T.
+        st, c = self.state, self.c
+        ps = self.mean([self.right(ms, q) for ms, q in zip(self.mats, st.q)])
+        new_p = tuple(c.orth_all([reseed(p, self.shared, 2 * gi + 1, c.epsilon) for gi, p in enumerate(ps)]))
+        return self.finish(ps, st.q, PowerSGDState(q=st.q, p=new_p))
+
+    def q_step(self, _):
+        # Q = M_bar^T P^ with the stored orthonormal P^: M_hat = P^ P^^T M_bar.
+        st, c = self.state, self.c
+        qs = self.mean([self.left(ms, p) for ms, p in zip(self.mats, st.p)])
+        new_q = tuple(c.orth_all([reseed(q, self.shared, 2 * gi, c.epsilon) for gi, q in enumerate(qs)]))
+        return self.finish(st.p, qs, PowerSGDState(q=new_q, p=st.p))
+
+
+class PowerSGDExchange(Exchange):
+    """Runs :class:`commjax.compressors.PowerSGD` (see the module docstring)."""
+
+    def init_state(self, codec, segments, num_replicas, key):
+        """Initial ``Q`` per group: i.i.d. unit-variance entries from ``key``, identical on
+        every replica (orthonormalized too, and ``P = 0``, with ``alternating``)."""
+        if not codec.warm_start:
+            return PowerSGDState(q=(), p=())
+        return _initial_state(codec, tuple(segments), key)
+
+    def run(self, codec, parts, segments, state, *, axis_name, num_replicas, shared_key, count):
+        """Exact mean in the warm-up, then PowerSGD, leaf by leaf: each leaf's matrix is a
+        view of its own part, and its ``M_hat`` is returned as its own array. Returns per
+        segment ``(M_hat, M_hat, new_state)`` in the PowerSGD phase (error feedback keeps
+        ``x - M_hat``) and ``(mean, x, state)`` in the warm-up (no residual builds up)."""
+        step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key)
+        count = jnp.asarray(count, jnp.int32)
+        start = codec.start_step
+        if not codec.alternating:
+            if start == 0:
+                return step.both(None)
+            return lax.cond(count < start, step.warmup, step.both, None)
+        phase = jnp.remainder(jnp.maximum(count - start, 0), 2)  # 0: P-step, 1: Q-step
+        if start == 0:
+            return lax.cond(phase == 0, step.p_step, step.q_step, None)
+        index = jnp.where(count < start, 0, 1 + phase)
+        return lax.switch(index, (step.warmup, step.p_step, step.q_step), None)
+
+    def bytes(self, codec, segments, num_replicas):
+        return codec.exchange_bytes(segments, num_replicas)

@@ -1,0 +1,88 @@
+"""Guards every communicating transform applies: the axis is bound, gradients are
+unreduced, non-finite values are seen by every replica, and a bad step keeps the state.
+
+One home for each, so that every transform and optimizer fails the same clear way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import _compat
+
+__all__ = [
+    "AxisNotBoundError",
+    "unbound_message",
+    "check_bound",
+    "check_unreduced",
+    "all_finite",
+    "keep_if",
+]
+
+
+class AxisNotBoundError(NameError):
+    """A commjax transform or collective was called where its mesh axis is not bound."""
+
+
+def unbound_message(axis_name: Any, where: str = "compressed_mean") -> str:
+    """The error text for an unbound axis: why, and the ``shard_map`` call that fixes it."""
+    return (
+        f"{where}: mesh axis {axis_name!r} is not bound here. Gradient compression "
+        "needs each replica's own gradient, so the update must run inside jax.shard_map (or "
+        "jax.pmap) over that axis, e.g.\n\n"
+        "    step = jax.jit(jax.shard_map(train_step, mesh=mesh,\n"
+        f"        in_specs=(P(), cj.state_specs(opt_state, {axis_name!r}), P({axis_name!r})),\n"
+        f"        out_specs=(P(), cj.state_specs(opt_state, {axis_name!r}))))\n\n"
+        "or pass axis_name=None to study the compressor on one replica without communication."
+    )
+
+
+def check_bound(axis_name: Any, where: str) -> int:
+    """The size of ``axis_name`` (1 for ``None``), or :class:`AxisNotBoundError`."""
+    if axis_name is None:
+        return 1
+    if not _compat.axis_is_bound(axis_name):
+        raise AxisNotBoundError(unbound_message(axis_name, where))
+    return _compat.axis_size(axis_name)
+
+
+def check_unreduced(leaves: Sequence[Any], axis_name: Any, where: str) -> None:
+    """Under ``check_vma=True``, refuse floating gradients that JAX has already summed over
+    the axis (the gradient of a replicated parameter): compression would come too late."""
+    tracked = _compat.varying_axes(lax.axis_index(axis_name))
+    if not tracked:
+        return  # check_vma=False or pmap: nothing is tracked
+    names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    for leaf in leaves:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            continue
+        vma = _compat.varying_axes(leaf)
+        if vma is not None and not names <= set(vma):
+            raise ValueError(
+                f"{where}: a gradient leaf of shape {jnp.shape(leaf)} is replicated "
+                f"(invariant) over {axis_name!r}: under shard_map(check_vma=True) JAX sums the "
+                "gradient of replicated parameters over the axis itself, before any "
+                "compression. Take the gradient with respect to "
+                f"cj.vary(params, {axis_name!r}) instead, or run shard_map with "
+                "check_vma=False."
+            )
+
+
+def all_finite(x: jax.Array) -> jax.Array:
+    """``jnp.all(jnp.isfinite(x))``, mostly from one sum: a finite sum proves every element
+    finite, and a reduction to one number is several times cheaper than the elementwise
+    test on CPU. Only a non-finite sum (a NaN or Inf, or an overflow) runs the
+    elementwise test to decide."""
+    total = jnp.sum(x, dtype=jnp.float32)
+    return lax.cond(jnp.isfinite(total), lambda v: jnp.isfinite(total),
+                    lambda v: jnp.all(jnp.isfinite(v)), x)
+
+
+def keep_if(bad: jax.Array, old: Any, new: Any) -> Any:
+    """``old`` where ``bad`` (a scalar shared by every replica), else ``new``, leaf by leaf:
+    a non-finite step leaves the state as it was, identically on every replica."""
+    return jax.tree_util.tree_map(lambda o, n: jnp.where(bad, o, n), old, new)
