@@ -1,0 +1,61 @@
+"""cj.zero across processes: 2 processes x 4 CPU devices (gloo) give the parameters of
+1 process x 8 devices running the same program, identical on every device of every process.
+
+The worker (``tests/mp_scripts/zero_train.py``) trains a few steps with 4-bit gradients and
+4-bit weight differences, on one axis and on two levels (the slow axis across the
+processes, 8-bit on the fast one inside each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from multiprocess import MP_SCRIPTS, leftover_processes, run_workers
+
+sys.path.insert(0, str(MP_SCRIPTS))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_mp_{name}", MP_SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load("zero_train")
+tasks = _load("train_compressors")
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one(tmp_path: Path):
+    processes, devices = 2, 4
+    g = processes * devices
+    task = tasks.make_task(g)
+    task_file = tmp_path / "task.npz"
+    tasks.save_task(task, str(task_file))
+    run = run_workers("zero_train.py", processes, devices, args=["--task", str(task_file)],
+                      timeout=240.0, env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},
+                      check=True, stream=False)
+    assert not leftover_processes(run.launch.pids)
+    results = run.results
+    assert [r["process_id"] for r in results] == list(range(processes))
+    task = tasks.load_task(str(task_file))  # the numbers the workers read
+    local = jax.devices()[:g]
+    p0 = worker.flat(task.params)
+    for name, c in worker.configs().items():
+        digests = [d for r in results for d in r["configs"][name]["digests"]]
+        assert len(digests) == g and len(set(digests)) == 1, f"{name}: copies differ"
+        mesh = worker.make_mesh(local, c["axes"], processes)
+        rows = lambda a: jax.device_put(a, NamedSharding(mesh, P(c["axes"])))  # noqa: E731
+        want = worker.flat(worker.train(mesh, c["axes"], c["kw"], task, worker.STEPS, rows))
+        got = np.asarray(results[0]["configs"][name]["params"], np.float32)
+        # gloo's exact reduce-scatter (biases, the flag) may sum in another order: fp32 round-off.
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert np.max(np.abs(want - p0)) > 1e3 * 1e-6, name
