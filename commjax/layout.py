@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from commjax import _compat
+
 __all__ = [
     "per_replica",
     "per_replica_mask",
@@ -164,8 +166,6 @@ def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any) 
     replicas (the two-phase reducer's server residual) is sized for this mesh without a
     ``num_replicas`` argument. ``params`` are replicated.
     """
-    from commjax import _compat
-
     # The structure (not the sizes) decides the specs; trace init where the axes are bound.
     probe = _compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
     structure = jax.eval_shape(probe, params)

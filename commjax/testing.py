@@ -21,7 +21,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commjax import _compat
-from commjax.layout import shard_state, state_specs
+from commjax.accounting import collective_bytes
+from commjax.compressors.exact import cast, identity
+from commjax.compressors.quantize import qsgd, quantize, terngrad
+from commjax.compressors.sign import sign
+from commjax.layout import init_sharded, pmap_state, shard_state, state_specs
 
 __all__ = ["Task", "noniid_classification", "TrainResult", "train", "mlp_params", "mlp_apply",
            "block_codecs", "ready", "same_bits", "flat_residual"]
@@ -146,8 +150,6 @@ def train(
         return optax.apply_updates(p, u), s
 
     if use_pmap:
-        from commjax.layout import pmap_state
-
         opt_state = pmap_state(opt_state, n)
         step = jax.pmap(local_step, axis_name=axis_name, devices=devices)
         params = stacked
@@ -202,12 +204,8 @@ def update_collectives(
     Gradients and state are abstract (``jax.ShapeDtypeStruct``), so a model of millions of
     parameters costs only its compile time.
     """
-    from commjax.accounting import collective_bytes
-
     devices = devices if devices is not None else jax.devices()[:num_replicas]
     mesh = _compat.make_mesh((num_replicas,), (axis_name,), devices=devices)
-    from commjax.layout import init_sharded
-
     state = jax.eval_shape(lambda p: init_sharded(tx, p, mesh, axis_name), params)
     specs = state_specs(state, axis_name)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -239,10 +237,6 @@ def mlp_4m_params() -> dict:
 def block_codecs() -> dict[str, Any]:
     """One instance of every block codec (each chunkable, so every reducer applies),
     by a short name: the set that sweeps and parametrized tests run over."""
-    from commjax.compressors.exact import cast, identity
-    from commjax.compressors.quantize import qsgd, quantize, terngrad
-    from commjax.compressors.sign import sign
-
     return {
         "identity": identity(), "cast": cast(), "q8": quantize(8), "q4": quantize(4),
         "q2": quantize(2), "qsgd": qsgd(), "terngrad": terngrad(), "sign": sign(),

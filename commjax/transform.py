@@ -292,7 +292,8 @@ def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics) -> dict:
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
-    return metrics
+    # Per-replica state, typed as such whatever each value is (the layout's contract).
+    return metrics if cfg.axis_name is None else _compat.vary(metrics, cfg.axis_name)
 
 
 def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):

@@ -94,19 +94,19 @@ def test_replicated_params_are_refused_under_vma_check(mesh, task):
 
 def test_state_layout():
     params = {"w": jnp.ones((64, 40)), "b": jnp.ones((40,)), "s": jnp.ones(())}
-    s = onebit_adam(1e-3, warmup_steps=3, num_replicas=N, min_compress_size=256).init(params)
+    s = onebit_adam(1e-3, warmup_steps=3, num_replicas=N, min_compress_size=256).init(params)[0]
     assert isinstance(s, OneBitAdamState)
     mask = cj.per_replica_mask(s)
-    assert mask.residual and mask.server_residual
-    assert not any(jax.tree_util.tree_leaves((mask.count, mask.mu, mask.nu)))
+    assert mask.exchange.residual and mask.exchange.server_residual
+    assert not any(jax.tree_util.tree_leaves((mask.count, mask.mu, mask.nu, mask.exchange.count)))
     # Worker residual: one per compressed leaf, of its size; server: one chunk of the
     # bucket padded to N blocks.
-    assert [r.shape for r in s.residual] == [(2560,)]
-    assert s.server_residual.shape == (4096 // N,)  # 2560 -> 4096 = 2 * (256 * N)
-    l = onebit_lamb(1e-3, warmup_steps=3, num_replicas=N, min_compress_size=256).init(params)
+    assert [r.shape for r in s.exchange.residual] == [(2560,)]
+    assert s.exchange.server_residual.shape == (4096 // N,)  # 2560 -> 4096 = 2 * (256 * N)
+    l = onebit_lamb(1e-3, warmup_steps=3, num_replicas=N, min_compress_size=256).init(params)[0]
     assert isinstance(l, OneBitLambState)
     lm = cj.per_replica_mask(l)
-    assert lm.residual and lm.server_residual
+    assert lm.exchange.residual and lm.exchange.server_residual
     assert not any(jax.tree_util.tree_leaves((lm.coeff, lm.factor, lm.nu_fresh, lm.mu)))
     assert all(x.shape == () for x in jax.tree_util.tree_leaves(l.coeff))
 
@@ -148,8 +148,8 @@ def test_onebit_adam_within_10_percent_of_adam_and_replicas_identical(adam_runs)
     assert np.all(np.isfinite(got.losses))
     assert got.final_loss <= 1.10 * ref.final_loss, (got.final_loss, ref.final_loss)
     # The compressed stage did run: its momentum residuals are non-zero.
-    assert max(float(np.abs(np.asarray(r)).max()) for r in got.opt_state.residual) > 0
-    assert int(np.asarray(got.opt_state.count)) == ADAM_STEPS
+    assert max(float(np.abs(np.asarray(r)).max()) for r in got.opt_state[0].exchange.residual) > 0
+    assert int(np.asarray(got.opt_state[0].count)) == ADAM_STEPS
 
 
 def test_lamb_warmup_is_exact_lamb(lamb_runs):
@@ -166,10 +166,10 @@ def test_onebit_lamb_trains_and_its_factor_obeys_the_rule(lamb_runs):
     assert got.final_loss < got.losses[wu // LOG - 1]  # still improving after the freeze
     assert got.final_loss <= 1.25 * ref.final_loss, (got.final_loss, ref.final_loss)
     # factor stays in [factor_min, factor_max] and moved at most 10% per step from 1.
-    fac = np.stack([np.asarray(f) for f in jax.tree_util.tree_leaves(got.opt_state.factor)])
+    fac = np.stack([np.asarray(f) for f in jax.tree_util.tree_leaves(got.opt_state[0].factor)])
     assert np.all((fac >= 0.5) & (fac <= 4.0))
     assert np.all(np.abs(np.log(fac)) <= (steps - wu) * np.log(1.1) + 1e-6)
-    coeff = np.stack([np.asarray(c) for c in jax.tree_util.tree_leaves(got.opt_state.coeff)])
+    coeff = np.stack([np.asarray(c) for c in jax.tree_util.tree_leaves(got.opt_state[0].coeff)])
     assert np.all(np.isfinite(coeff)) and np.all(coeff > 0)
 
 
@@ -180,7 +180,7 @@ def test_lamb_trust_ratio_is_clipped():
     state = tx.init(params)
     for _ in range(3):
         u, state = tx.update({"w": jnp.full((8, 8), 1.0)}, state, params)
-    ratio = float(state.coeff["w"]) / (1 - 0.9 ** 3)
+    ratio = float(state[0].coeff["w"]) / (1 - 0.9 ** 3)
     assert ratio == pytest.approx(10.0, rel=1e-5)
     # u = m_hat / (sqrt(v_hat) + eps) = 1 / (1 + eps) entrywise, so the step is -lr * 10.
     np.testing.assert_allclose(np.asarray(u["w"]), -1e-3 * 10.0, rtol=1e-5)
@@ -351,7 +351,7 @@ def test_nan_on_one_replica_nans_every_update_and_keeps_the_state(mesh, factory)
         assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(u))
         # The update is identical on every replica.
         assert all(np.all(np.asarray(x) == np.asarray(x)[:1]) for x in jax.tree_util.tree_leaves(u))
-    assert int(np.asarray(state.count)) == 6
+    assert int(np.asarray(state[0].count)) == 6
 
 
 def test_init_sharded_sizes_the_state_for_the_mesh():
@@ -360,6 +360,6 @@ def test_init_sharded_sizes_the_state_for_the_mesh():
     params = {"w": jnp.ones((64, 40)), "b": jnp.ones((40,))}
     tx = onebit_adam(1e-3, warmup_steps=3, min_compress_size=256)
     state = cj.init_sharded(tx, params, mesh4, "data")
-    assert [r.shape for r in state.residual] == [(4 * 2560,)]
-    assert state.server_residual.shape == (4 * (3072 // 4),)  # 2560 -> 3 * (256 * 4)
-    assert state.mu["w"].shape == (64, 40)
+    assert [r.shape for r in state[0].exchange.residual] == [(4 * 2560,)]
+    assert state[0].exchange.server_residual.shape == (4 * (3072 // 4),)  # 2560 -> 3 * (256 * 4)
+    assert state[0].mu["w"].shape == (64, 40)

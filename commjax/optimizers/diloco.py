@@ -22,18 +22,19 @@ Language Models" (arXiv:2311.08105).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from commjax import _compat
+from commjax import _compat, guards, validation
+from commjax.collectives import exact_mean
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica, per_replica_mask
-from commjax.transform import AxisNotBoundError, compressed_mean
+from commjax.transform import compressed_mean
 
 __all__ = ["DiLoCoState", "diloco", "landing_update"]
 
@@ -82,6 +83,8 @@ def landing_update(params: Any, target: Any) -> Any:
 
 
 def _check_vary(params: Any, axis_name: Any) -> None:
+    """Under ``check_vma=True``, refuse parameters typed replicated: DiLoCo replicas hold
+    different parameters between syncs."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     tracked = _compat.varying_axes(lax.axis_index(names[0]))
     if not tracked:
@@ -104,6 +107,98 @@ def _vary_marked(tree: Any, axis_name: Any) -> Any:
         return tree
     mask = per_replica_mask(tree)
     return jax.tree_util.tree_map(lambda x, m: _compat.vary(x, axis_name) if m else x, tree, mask)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.all(jnp.stack([guards.all_finite(l) for l in leaves])) if leaves else jnp.asarray(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    inner: optax.GradientTransformation
+    outer: optax.GradientTransformation
+    sync_every: int
+    axis_name: Any
+    exchange_tx: Optional[optax.GradientTransformation]
+
+
+def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
+    """The local inner step: ``(u_in, new inner state, p + u_in)``; a non-finite update
+    is NaN on every leaf of this replica and keeps its inner state."""
+    inner_state = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
+    u_in, new_inner = cfg.inner.update(updates, inner_state, params)
+    ok = _all_finite(u_in)
+    new_inner = guards.keep_if(jnp.logical_not(ok), inner_state, new_inner)
+    u_in = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), u_in)
+    return u_in, new_inner, optax.apply_updates(params, u_in)
+
+
+def _pseudo_mean(cfg: _Config, deltas, exchange):
+    """The replicas' mean pseudo-gradient: exact fp32 (one all-reduce) or compressed."""
+    if cfg.exchange_tx is not None:
+        return cfg.exchange_tx.update(deltas, exchange)
+    leaves, treedef = jax.tree_util.tree_flatten(deltas)
+    n_rep = guards.check_bound(cfg.axis_name, "diloco")
+    means, _ = exact_mean(leaves, cfg.axis_name if n_rep > 1 else None, n_rep)
+    out = [m.reshape(l.shape).astype(l.dtype) for m, l in zip(means, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out), exchange
+
+
+def _sync(cfg: _Config, params, local, ops):
+    """The outer step on the mean pseudo-gradient; every replica lands on the new anchor."""
+    anchor, outer_state, exchange = ops
+    deltas = jax.tree_util.tree_map(lambda a, q: a.astype(jnp.float32) - q.astype(jnp.float32),
+                                    anchor, local)
+    mean, new_exchange = _pseudo_mean(cfg, deltas, exchange)
+    bad = jnp.logical_not(_all_finite(mean))
+    mean = jax.tree_util.tree_map(lambda m, a: m.astype(a.dtype), mean, anchor)
+    u_out, new_outer = cfg.outer.update(mean, outer_state, anchor)
+    # One materialised value of the new anchor for the state and for the landing step:
+    # XLA may otherwise recompute it inside several fusions, with and without fused
+    # multiply-adds, and the copies can differ in the last bit.
+    new_anchor = lax.optimization_barrier(optax.apply_updates(anchor, u_out))
+    step = jax.tree_util.tree_map(lambda s: jnp.where(bad, jnp.nan, s).astype(s.dtype),
+                                  landing_update(params, new_anchor))
+    return (step, guards.keep_if(bad, anchor, new_anchor), guards.keep_if(bad, outer_state, new_outer),
+            _vary_marked(guards.keep_if(bad, exchange, new_exchange), cfg.axis_name))
+
+
+def _update(cfg: _Config, updates, state: DiLoCoState, params):
+    if params is None:
+        raise ValueError("diloco: update() needs this replica's `params` (update(grads, state, params)).")
+    guards.check_bound(cfg.axis_name, "diloco")
+    if cfg.axis_name is not None:
+        _check_vary(params, cfg.axis_name)
+    u_in, new_inner, local = _inner_step(cfg, updates, state, params)
+
+    def no_sync(ops):
+        anchor, outer_state, exchange = ops
+        step = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), u_in, params)
+        return step, anchor, outer_state, _vary_marked(exchange, cfg.axis_name)
+
+    ops = (state.anchor, state.outer_state, state.exchange)
+    if cfg.sync_every == 1:
+        out, anchor, outer_state, exchange = _sync(cfg, params, local, ops)
+    else:
+        is_sync = (state.count + 1) % cfg.sync_every == 0
+        out, anchor, outer_state, exchange = lax.cond(
+            is_sync, lambda o: _sync(cfg, params, local, o), no_sync, ops)
+    new_state = DiLoCoState(
+        count=state.count + 1, anchor=anchor, outer_state=outer_state,
+        inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner), exchange=exchange,
+    )
+    return out, new_state
+
+
+def _init(cfg: _Config, params) -> DiLoCoState:
+    return DiLoCoState(
+        count=jnp.zeros((), jnp.int32),
+        anchor=jax.tree_util.tree_map(jnp.asarray, params),
+        outer_state=cfg.outer.init(params),
+        inner_state=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], cfg.inner.init(params)),
+        exchange=() if cfg.exchange_tx is None else cfg.exchange_tx.init(params),
+    )
 
 
 def diloco(
@@ -178,115 +273,18 @@ def diloco(
       AxisNotBoundError: ``update`` called where ``axis_name`` is not bound.
     """
     for name, tx in (("inner", inner), ("outer", outer)):
-        if not isinstance(tx, optax.GradientTransformation) and not (
-            hasattr(tx, "init") and hasattr(tx, "update")
-        ):
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"diloco: `{name}` must be an optax.GradientTransformation, got {tx!r}.")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or sync_every < 1:
-        raise ValueError(f"diloco: `sync_every` must be an integer >= 1, got {sync_every!r}.")
-    sync_every = int(sync_every)
+    sync_every = validation.check_int("sync_every", sync_every, 1, factory="diloco")
     if compressor is not None and not isinstance(compressor, Compressor):
         raise TypeError(
             f"diloco: `compressor` must be None (exact mean) or a commjax compressor such as "
-            f"cj.quantize(bits=4), got {compressor!r}."
-        )
-    axis_name = tuple(axis_name) if isinstance(axis_name, list) else axis_name
+            f"cj.quantize(bits=4), got {compressor!r}.")
+    axis_name = validation.normalize_axis(axis_name)
     exchange_tx = None
     if compressor is not None:
-        exchange_tx = compressed_mean(
-            compressor, axis_name, error_feedback=error_feedback, num_replicas=num_replicas,
-            seed=seed,
-        )
-
-    def init_fn(params):
-        inner_state = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], inner.init(params))
-        return DiLoCoState(
-            count=jnp.zeros((), jnp.int32),
-            anchor=jax.tree_util.tree_map(jnp.asarray, params),
-            outer_state=outer.init(params),
-            inner_state=inner_state,
-            exchange=() if exchange_tx is None else exchange_tx.init(params),
-        )
-
-    def exact_mean(deltas):
-        leaves, treedef = jax.tree_util.tree_flatten(deltas)
-        flat = [jnp.ravel(l).astype(jnp.float32) for l in leaves]
-        n_rep = _compat.axis_size(axis_name)
-        if not flat or n_rep == 1:
-            return deltas
-        bucket = _compat.psum(jnp.concatenate(flat), axis_name) / n_rep
-        out, pos = [], 0
-        for l in leaves:
-            size = int(np.prod(l.shape)) if l.ndim else 1
-            out.append(bucket[pos:pos + size].reshape(l.shape).astype(l.dtype))
-            pos += size
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("diloco: update() needs this replica's `params` (update(grads, state, params)).")
-        if axis_name is not None:
-            if not _compat.axis_is_bound(axis_name):
-                raise AxisNotBoundError(
-                    f"diloco: mesh axis {axis_name!r} is not bound here. DiLoCo averages the "
-                    "replicas' pseudo-gradients, so its update must run inside jax.shard_map "
-                    "(or jax.pmap) over that axis, with per-replica parameters (P("
-                    f"{axis_name!r})) and the state laid out by cj.shard_state / cj.state_specs; "
-                    "or pass axis_name=None for one replica."
-                )
-            _check_vary(params, axis_name)
-
-        inner_state = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
-        u_in, new_inner = inner.update(updates, inner_state, params)
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree_util.tree_leaves(u_in)]
-                               or [jnp.asarray(True)]))
-        new_inner = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_inner, inner_state)
-        u_in = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), u_in)
-        local = optax.apply_updates(params, u_in)
-
-        def no_sync(ops):
-            anchor, outer_state, exchange = ops
-            step = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), u_in, params)
-            return step, anchor, outer_state, _vary_marked(exchange, axis_name)
-
-        def sync(ops):
-            anchor, outer_state, exchange = ops
-            deltas = jax.tree_util.tree_map(
-                lambda a, q: a.astype(jnp.float32) - q.astype(jnp.float32), anchor, local)
-            if axis_name is None:
-                mean = deltas
-                new_exchange = exchange
-                if exchange_tx is not None:
-                    mean, new_exchange = exchange_tx.update(deltas, exchange)
-            elif exchange_tx is None:
-                mean, new_exchange = exact_mean(deltas), exchange
-            else:
-                mean, new_exchange = exchange_tx.update(deltas, exchange)
-            bad = jnp.logical_not(jnp.all(jnp.stack(
-                [jnp.all(jnp.isfinite(m)) for m in jax.tree_util.tree_leaves(mean)] or [jnp.asarray(True)])))
-            mean = jax.tree_util.tree_map(lambda m, a: m.astype(a.dtype), mean, anchor)
-            u_out, new_outer = outer.update(mean, outer_state, anchor)
-            new_anchor = optax.apply_updates(anchor, u_out)
-            # One materialised value of the new anchor for the state and for the landing
-            # step: XLA may otherwise recompute it inside several fusions, with and
-            # without fused multiply-adds, and the copies can differ in the last bit.
-            new_anchor = lax.optimization_barrier(new_anchor)
-            step = landing_update(params, new_anchor)
-            step = jax.tree_util.tree_map(lambda s: jnp.where(bad, jnp.nan, s).astype(s.dtype), step)
-            keep = lambda old, new: jax.tree_util.tree_map(lambda o, n: jnp.where(bad, o, n), old, new)
-            return (step, keep(anchor, new_anchor), keep(outer_state, new_outer),
-                    _vary_marked(keep(exchange, new_exchange), axis_name))
-
-        ops = (state.anchor, state.outer_state, state.exchange)
-        if sync_every == 1:
-            out, anchor, outer_state, exchange = sync(ops)
-        else:
-            is_sync = (state.count + 1) % sync_every == 0
-            out, anchor, outer_state, exchange = lax.cond(is_sync, sync, no_sync, ops)
-        new_state = DiLoCoState(
-            count=state.count + 1, anchor=anchor, outer_state=outer_state,
-            inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner), exchange=exchange,
-        )
-        return out, new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+        exchange_tx = compressed_mean(compressor, axis_name, error_feedback=error_feedback,
+                                      num_replicas=num_replicas, seed=seed)
+    cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx)
+    return optax.GradientTransformation(lambda params: _init(cfg, params),
+                                        lambda u, s, params=None: _update(cfg, u, s, params))

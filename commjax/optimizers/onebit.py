@@ -61,7 +61,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +69,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from commjax import _compat
+from commjax import guards, validation
+from commjax.collectives import exact_mean
 from commjax.compressors.sign import sign
-from commjax.layout import per_replica
-from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
+from commjax.transform import CompressedMeanState, compressed_mean
 
 __all__ = [
     "OneBitAdamState",
@@ -81,39 +81,31 @@ __all__ = [
     "onebit_lamb",
 ]
 
-ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
-
-@per_replica("residual", "server_residual")
 class OneBitAdamState(NamedTuple):
-    """State of :func:`onebit_adam`.
+    """State of :func:`scale_by_onebit_adam` (the first element of :func:`onebit_adam`'s).
 
     Attributes:
       count: int32 scalar, replicated: steps taken (rejected non-finite steps excluded).
       mu: pytree like the parameters, float32, replicated: the momentum ``m``.
       nu: pytree like the parameters, float32, replicated: the second moment ``v``,
         frozen from step ``warmup_steps`` on.
-      residual: per-replica worker error-feedback residuals of the compressed momentum,
-        a tuple with one float32 ``[size]`` array per compressed leaf (as
-        :class:`commjax.CompressedMeanState`). Global layout under ``shard_map``:
-        ``[N * size]`` each, ``P(axis_name)``.
-      server_residual: per-replica float32 ``[n_pad / N]``: the two-phase reducer's
-        residual for the chunk this replica re-encodes (``[0]`` with one replica).
+      exchange: the :class:`commjax.CompressedMeanState` of the 1-bit momentum exchange
+        (its worker and server residuals are per replica; :func:`commjax.state_specs`
+        lays them out).
     """
 
     count: jax.Array
     mu: Any
     nu: Any
-    residual: tuple
-    server_residual: jax.Array
+    exchange: CompressedMeanState
 
 
-@per_replica("residual", "server_residual")
 class OneBitLambState(NamedTuple):
-    """State of :func:`onebit_lamb`.
+    """State of :func:`scale_by_onebit_lamb` (the first element of :func:`onebit_lamb`'s).
 
     Attributes:
-      count, mu, nu, residual, server_residual: as in :class:`OneBitAdamState`.
+      count, mu, nu, exchange: as in :class:`OneBitAdamState`.
       nu_fresh: pytree like the parameters, float32, replicated: the second moment of
         the gradients reconstructed from consecutive compressed momenta (compression
         stage; equal to ``nu`` at the end of warm-up).
@@ -134,8 +126,7 @@ class OneBitLambState(NamedTuple):
     nu_fresh: Any
     coeff: Any
     factor: Any
-    residual: tuple
-    server_residual: jax.Array
+    exchange: CompressedMeanState
 
 
 # ----------------------------------------------------------------------------- config
@@ -144,7 +135,6 @@ class OneBitLambState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Config:
     factory: str
-    learning_rate: Any
     b1: float
     b2: float
     eps: float
@@ -160,52 +150,30 @@ class _Config:
     num_replicas: Optional[int]
 
 
-def _check_float(factory: str, name: str, value: Any, lo: float, hi: float, *,
-                 lo_open: bool = False, hi_open: bool = False) -> float:
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = np.isfinite(v) or (hi == np.inf and v == np.inf and not hi_open)
-        ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        raise ValueError(f"{factory}: `{name}` must be a number in {lb}{lo}, {hi}{rb}; got {value!r}.")
-    return float(value)
-
-
-def _check_int(factory: str, name: str, value: Any, lo: int, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{factory}: `{name}` must be an integer >= {lo}{why}; got {value!r}.")
-    return int(value)
-
-
 def _make_config(factory: str, *, learning_rate, b1, b2, eps, weight_decay, warmup_steps,
                  axis_name, block_size, var_floor, max_update_ratio, bias_correction,
                  min_compress_size, compress_vectors, num_replicas, min_warmup: int) -> _Config:
+    v, f, inf = validation, factory, np.inf
     if not callable(learning_rate):
-        _check_float(factory, "learning_rate", learning_rate, 0.0, np.inf, hi_open=True)
-    b1 = _check_float(factory, "b1", b1, 0.0, 1.0, hi_open=True)
-    b2 = _check_float(factory, "b2", b2, 0.0, 1.0, hi_open=True)
-    eps = _check_float(factory, "eps", eps, 0.0, np.inf, hi_open=True)
-    weight_decay = _check_float(factory, "weight_decay", weight_decay, 0.0, np.inf, hi_open=True)
+        v.check_float("learning_rate", learning_rate, 0.0, inf, factory=f, hi_open=True)
     why = "" if min_warmup == 0 else " (the frozen trust ratio is estimated during warm-up)"
-    warmup_steps = _check_int(factory, "warmup_steps", warmup_steps, min_warmup, why)
-    block_size = _check_int(factory, "block_size", block_size, 1)
-    var_floor = _check_float(factory, "var_floor", var_floor, 0.0, 1.0)
     if max_update_ratio is not None:
-        max_update_ratio = _check_float(factory, "max_update_ratio", max_update_ratio, 0.0,
-                                        np.inf, lo_open=True, hi_open=True)
-    min_compress_size = _check_int(factory, "min_compress_size", min_compress_size, 1)
-    if num_replicas is not None:
-        num_replicas = _check_int(factory, "num_replicas", num_replicas, 1)
+        max_update_ratio = v.check_float("max_update_ratio", max_update_ratio, 0.0, inf, factory=f,
+                                         lo_open=True, hi_open=True)
     return _Config(
-        factory=factory, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-        weight_decay=weight_decay, warmup_steps=warmup_steps,
-        axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
-        block_size=block_size, var_floor=var_floor, max_update_ratio=max_update_ratio,
-        bias_correction=bool(bias_correction), min_compress_size=min_compress_size,
-        compress_vectors=bool(compress_vectors), num_replicas=num_replicas,
+        factory=factory,
+        b1=v.check_float("b1", b1, 0.0, 1.0, factory=f, hi_open=True),
+        b2=v.check_float("b2", b2, 0.0, 1.0, factory=f, hi_open=True),
+        eps=v.check_float("eps", eps, 0.0, inf, factory=f, hi_open=True),
+        weight_decay=v.check_float("weight_decay", weight_decay, 0.0, inf, factory=f, hi_open=True),
+        warmup_steps=v.check_int("warmup_steps", warmup_steps, min_warmup, factory=f, why=why),
+        axis_name=v.normalize_axis(axis_name),
+        block_size=v.check_int("block_size", block_size, 1, factory=f),
+        var_floor=v.check_float("var_floor", var_floor, 0.0, 1.0, factory=f),
+        max_update_ratio=max_update_ratio, bias_correction=bool(bias_correction),
+        min_compress_size=v.check_int("min_compress_size", min_compress_size, 1, factory=f),
+        compress_vectors=bool(compress_vectors),
+        num_replicas=None if num_replicas is None else v.check_int("num_replicas", num_replicas, 1, factory=f),
     )
 
 
@@ -226,45 +194,16 @@ def _f32_zeros(params):
     return jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
 
 
-def _check_axis(cfg: _Config) -> int:
-    if cfg.axis_name is None:
-        return 1
-    if not _compat.axis_is_bound(cfg.axis_name):
-        raise AxisNotBoundError(
-            f"{cfg.factory}: mesh axis {cfg.axis_name!r} is not bound here. The optimizer "
-            "averages each replica's own gradient, so its update must run inside "
-            "jax.shard_map (or jax.pmap) over that axis, with the state laid out by "
-            f"cj.shard_state(state, mesh, {cfg.axis_name!r}) and "
-            f"cj.state_specs(state, {cfg.axis_name!r}); or pass axis_name=None for one replica."
-        )
-    return _compat.axis_size(cfg.axis_name)
-
-
-def _exact_mean(cfg: _Config, leaves: list, n_rep: int) -> list:
+def _exact_leaves(cfg: _Config, leaves: list, n_rep: int) -> list:
     """fp32 mean over the axis of every leaf, in one fused all-reduce."""
-    flat = [jnp.ravel(l).astype(jnp.float32) for l in leaves]
-    if cfg.axis_name is None or n_rep == 1 or not flat:
-        return [f.reshape(jnp.shape(l)) for f, l in zip(flat, leaves)]
-    bucket = _compat.psum(jnp.concatenate(flat), cfg.axis_name) / n_rep
-    out, pos = [], 0
-    for l in leaves:
-        size = int(np.prod(jnp.shape(l))) if jnp.ndim(l) else 1
-        out.append(bucket[pos:pos + size].reshape(jnp.shape(l)))
-        pos += size
-    return out
+    means, _ = exact_mean(leaves, cfg.axis_name if n_rep > 1 else None, n_rep)
+    return [m.reshape(jnp.shape(l)) for m, l in zip(means, leaves)]
 
 
-def _compressed_mean(cfg: _Config, local_leaves: list, treedef, residual, server_residual, count):
-    """Compressed mean of the per-replica momenta through :func:`compressed_mean`."""
-    tx = _exchange_tx(cfg)
-    cm_state = CompressedMeanState(
-        count=count, key=jnp.zeros((2,), jnp.uint32), residual=residual,
-        server_residual=server_residual, compressor_state=(),
-        metrics={"residual_norm": jnp.zeros((1,), jnp.float32),
-                 "nonfinite": jnp.zeros((1,), jnp.float32)},
-    )
-    mean, new = tx.update(jax.tree_util.tree_unflatten(treedef, local_leaves), cm_state)
-    return jax.tree_util.tree_leaves(mean), new.residual, new.server_residual
+def _exchange(cfg: _Config, local: list, treedef, exchange: CompressedMeanState):
+    """The 1-bit mean of the per-replica momenta: ``(leaves, new exchange state)``."""
+    mean, new = _exchange_tx(cfg).update(jax.tree_util.tree_unflatten(treedef, local), exchange)
+    return jax.tree_util.tree_leaves(mean), new
 
 
 def _bias(b: float, t: jax.Array, enabled: bool) -> jax.Array:
@@ -291,36 +230,18 @@ def _ratio(cfg: _Config, mu_hat: jax.Array, nu_hat: jax.Array, *, guarded: bool)
     return r
 
 
-def _learning_rate(cfg: _Config, count: jax.Array) -> jax.Array:
-    lr = cfg.learning_rate(count) if callable(cfg.learning_rate) else cfg.learning_rate
-    return jnp.asarray(lr, jnp.float32)
-
-
 def _any_nonfinite(leaves: list) -> jax.Array:
     if not leaves:
         return jnp.zeros((), bool)
-    return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(l)) for l in leaves])))
-
-
-def _select(bad: jax.Array, old: Any, new: Any) -> Any:
-    return jax.tree_util.tree_map(lambda o, n: jnp.where(bad, o, n), old, new)
-
-
-def _finish(cfg: _Config, bad, steps: list, params_leaves, treedef, count):
-    """``-lr * (step + wd * p)`` per leaf, NaN everywhere on a rejected step."""
-    lr = _learning_rate(cfg, count)
-    out = []
-    for i, s in enumerate(steps):
-        if cfg.weight_decay:
-            s = s + cfg.weight_decay * params_leaves[i].astype(jnp.float32)
-        u = -lr * s
-        u = jnp.where(bad, jnp.nan, u)
-        out.append(u.astype(params_leaves[i].dtype if params_leaves is not None else u.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jnp.logical_not(jnp.all(jnp.stack([guards.all_finite(l) for l in leaves])))
 
 
 def _stage(cfg: _Config, count: jax.Array, warm_fn, comp_fn, operands):
-    """Run ``warm_fn`` during warm-up and ``comp_fn`` after, only one of them per step."""
+    """Run ``warm_fn`` during warm-up and ``comp_fn`` after, only one of them per step.
+
+    Only the exchange (and small per-leaf collectives) live in the branches: a
+    conditional's operands and results are whole buffers, so the elementwise moment
+    updates stay outside it, where they fuse."""
     if cfg.warmup_steps == 0:
         return comp_fn(operands)
     return lax.cond(count < cfg.warmup_steps, warm_fn, comp_fn, operands)
@@ -328,21 +249,79 @@ def _stage(cfg: _Config, count: jax.Array, warm_fn, comp_fn, operands):
 
 def _replica_mean(cfg: _Config, scalars: list, n_rep: int) -> list:
     """Mean over the replicas of a few scalars, in one all-reduce (replicated result)."""
-    if cfg.axis_name is None or n_rep == 1 or not scalars:
+    if not scalars:
         return scalars
-    mean = _compat.psum(jnp.stack(scalars), cfg.axis_name) / n_rep
-    return [mean[i] for i in range(len(scalars))]
+    return [m.reshape(()) for m in exact_mean([s.reshape(1) for s in scalars],
+                                               cfg.axis_name if n_rep > 1 else None, n_rep)[0]]
 
 
-def _leaves_of(tree, treedef):
-    return treedef.flatten_up_to(tree)
+def _output(bad, steps: list, grads: list, treedef):
+    """The steps in the gradients' dtypes; NaN on every leaf of a rejected step."""
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.where(bad, jnp.nan, s).astype(g.dtype) for s, g in zip(steps, grads)])
+
+
+def _schedule_chain(inner: optax.GradientTransformation, learning_rate, weight_decay=0.0):
+    """``inner``, then decoupled weight decay (if any) and ``-learning_rate``: optax's pieces."""
+    parts = [inner]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)
 
 
 # ----------------------------------------------------------------------------- 1-bit Adam
 
 
+def _adam_steps(cfg: _Config, state: OneBitAdamState, mean: list, mu: list, nu: list):
+    """Moments and the normalised step ``m_hat / (sqrt(v_hat) + eps)`` of either stage."""
+    t1 = state.count + 1
+    bc1 = _bias(cfg.b1, t1, cfg.bias_correction)
+    if not cfg.warmup_steps:
+        bc2 = _bias(cfg.b2, jnp.asarray(0), cfg.bias_correction)
+        return list(mean), nu, [_ratio(cfg, m / bc1, v / bc2, guarded=True) for m, v in zip(mean, nu)]
+    warm = state.count < cfg.warmup_steps
+    new_mu = [jnp.where(warm, cfg.b1 * m + (1 - cfg.b1) * x, x) for m, x in zip(mu, mean)]
+    new_nu = [jnp.where(warm, cfg.b2 * v + (1 - cfg.b2) * x * x, v) for v, x in zip(nu, mean)]
+    bc2 = jnp.where(warm, _bias(cfg.b2, t1, cfg.bias_correction),
+                    _bias(cfg.b2, jnp.asarray(cfg.warmup_steps), cfg.bias_correction))
+    steps = [jnp.where(warm, _ratio(cfg, m / bc1, v / bc2, guarded=False),
+                       _ratio(cfg, m / bc1, v / bc2, guarded=True)) for m, v in zip(new_mu, new_nu)]
+    return new_mu, new_nu, steps
+
+
+def _scale_by_onebit_adam(cfg: _Config) -> optax.GradientTransformation:
+    def init_fn(params):
+        return OneBitAdamState(count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params),
+                               nu=_f32_zeros(params), exchange=_exchange_tx(cfg).init(params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        n_rep = guards.check_bound(cfg.axis_name, cfg.factory)
+        grads, treedef = jax.tree_util.tree_flatten(updates)
+        mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+
+        def warm(ops):
+            grads, mu, ex = ops
+            return _exact_leaves(cfg, grads, n_rep), ex  # the exchanged mean gradient
+
+        def comp(ops):
+            grads, mu, ex = ops
+            local = [cfg.b1 * m + (1 - cfg.b1) * g.astype(jnp.float32) for m, g in zip(mu, grads)]
+            return _exchange(cfg, local, treedef, ex)  # the exchanged momentum
+
+        mean, ex = _stage(cfg, state.count, warm, comp, (grads, mu, state.exchange))
+        new_mu, new_nu, steps = _adam_steps(cfg, state, mean, mu, nu)
+        bad = _any_nonfinite(mean)
+        un = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)  # noqa: E731
+        new_state = OneBitAdamState(count=state.count + 1, mu=un(new_mu), nu=un(new_nu), exchange=ex)
+        return _output(bad, steps, grads, treedef), guards.keep_if(bad, state, new_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def onebit_adam(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     *,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -402,9 +381,12 @@ def onebit_adam(
         ``shard_map`` (default: the axis size if bound, else ``jax.device_count()``).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`OneBitAdamState`; lay the state out
-      with :func:`commjax.shard_state` / :func:`commjax.state_specs` (residuals are
-      per-replica, everything else replicated).
+      ``optax.chain`` of the 1-bit Adam scaling (state :class:`OneBitAdamState`),
+      ``optax.add_decayed_weights`` (if ``weight_decay``) and
+      ``optax.scale_by_learning_rate``; lay the state out with :func:`commjax.shard_state`
+      / :func:`commjax.state_specs` (residuals are per-replica, everything else
+      replicated). A schedule's own step counter (optax's) advances on every call, a
+      rejected non-finite step included.
 
     Raises:
       ValueError: a bad option, named in the message.
@@ -417,74 +399,160 @@ def onebit_adam(
         bias_correction=bias_correction, min_compress_size=min_compress_size,
         compress_vectors=compress_vectors, num_replicas=num_replicas, min_warmup=0,
     )
-
-    def init_fn(params):
-        cm = _exchange_tx(cfg).init(params)
-        return OneBitAdamState(
-            count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params), nu=_f32_zeros(params),
-            residual=cm.residual, server_residual=cm.server_residual,
-        )
-
-    def update_fn(updates, state, params=None):
-        if cfg.weight_decay and params is None:
-            raise ValueError("onebit_adam: weight_decay > 0 needs `params` in update().")
-        n_rep = _check_axis(cfg)
-        grads, treedef = jax.tree_util.tree_flatten(updates)
-        mu = _leaves_of(state.mu, treedef)
-        nu = _leaves_of(state.nu, treedef)
-        p_leaves = None if params is None else _leaves_of(params, treedef)
-        t1 = state.count + 1
-        bc1 = _bias(cfg.b1, t1, cfg.bias_correction)
-
-        # Only the exchange is staged: a conditional's operands and results are whole
-        # buffers, so the moment updates live outside it, where they fuse. (With the
-        # moments inside, the 4-process step of the 13.7M-parameter benchmark took 0.52 s
-        # against 0.37 s, with occasional ~1 s steps.)
-        def warm(ops):
-            grads, mu, res, srv = ops
-            g = _exact_mean(cfg, grads, n_rep)  # the exchanged mean gradient
-            return g, res, srv
-
-        def comp(ops):
-            grads, mu, res, srv = ops
-            local = [cfg.b1 * m + (1 - cfg.b1) * g.astype(jnp.float32) for m, g in zip(mu, grads)]
-            m_bar, res, srv = _compressed_mean(cfg, local, treedef, res, srv, state.count)
-            return m_bar, res, srv  # the exchanged momentum
-
-        mean, res, srv = _stage(cfg, state.count, warm, comp,
-                                (grads, mu, state.residual, state.server_residual))
-        if cfg.warmup_steps:
-            in_warmup = state.count < cfg.warmup_steps
-            new_mu = [jnp.where(in_warmup, cfg.b1 * m + (1 - cfg.b1) * x, x) for m, x in zip(mu, mean)]
-            new_nu = [jnp.where(in_warmup, cfg.b2 * v + (1 - cfg.b2) * x * x, v) for v, x in zip(nu, mean)]
-            bc2 = jnp.where(in_warmup, _bias(cfg.b2, t1, cfg.bias_correction),
-                            _bias(cfg.b2, jnp.asarray(cfg.warmup_steps), cfg.bias_correction))
-            steps = [jnp.where(in_warmup, _ratio(cfg, m / bc1, v / bc2, guarded=False),
-                               _ratio(cfg, m / bc1, v / bc2, guarded=True))
-                     for m, v in zip(new_mu, new_nu)]
-        else:
-            new_mu, new_nu = list(mean), nu
-            bc2 = _bias(cfg.b2, jnp.asarray(0), cfg.bias_correction)
-            steps = [_ratio(cfg, m / bc1, v / bc2, guarded=True) for m, v in zip(new_mu, new_nu)]
-        bad = _any_nonfinite(mean)
-        new_state = OneBitAdamState(
-            count=t1, mu=jax.tree_util.tree_unflatten(treedef, new_mu),
-            nu=jax.tree_util.tree_unflatten(treedef, new_nu), residual=res, server_residual=srv,
-        )
-        new_state = _select(bad, state, new_state)
-        out = _finish(cfg, bad, steps, p_leaves, treedef, state.count)
-        if p_leaves is None:
-            out = jax.tree_util.tree_map(lambda u, g: u.astype(g.dtype), out, updates)
-        return out, new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _schedule_chain(_scale_by_onebit_adam(cfg), learning_rate, cfg.weight_decay)
 
 
 # ----------------------------------------------------------------------------- 1-bit LAMB
 
 
+@dataclasses.dataclass(frozen=True)
+class _LambConfig:
+    base: _Config
+    min_coeff: float
+    max_coeff: float
+    coeff_beta: float
+    factor_min: float
+    factor_max: float
+    factor_threshold: float
+
+
+class _LambStep:
+    """One 1-bit LAMB step: the pieces both stages share (see :func:`onebit_lamb`)."""
+
+    def __init__(self, lc: _LambConfig, state: OneBitLambState, w: list):
+        cfg = self.cfg = lc.base
+        self.lc, self.state, self.w = lc, state, w
+        t1 = state.count + 1
+        self.bc1 = _bias(cfg.b1, t1, cfg.bias_correction)
+        self.bc2_frozen = _bias(cfg.b2, jnp.asarray(cfg.warmup_steps), cfg.bias_correction)
+        self.bc2_fresh = _bias(cfg.b2, t1, cfg.bias_correction)
+        self.bc_c = 1.0 - lc.coeff_beta ** cfg.warmup_steps
+
+    def trust(self, u, x):
+        wn, un = jnp.linalg.norm(x), jnp.linalg.norm(u)
+        return jnp.where((wn > 0) & (un > 0),
+                         jnp.clip(wn / jnp.where(un > 0, un, 1.0), self.lc.min_coeff, self.lc.max_coeff), 1.0)
+
+    def warm_update(self, m, v, g, x):
+        """Moments and the LAMB direction of the warm-up stage."""
+        cfg = self.cfg
+        m = cfg.b1 * m + (1 - cfg.b1) * g
+        v = cfg.b2 * v + (1 - cfg.b2) * g * g
+        return m, v, _ratio(cfg, m / self.bc1, v / self.bc2_fresh, guarded=False) + cfg.weight_decay * x
+
+    def fresh_update(self, m, mp, vf):
+        """The second moment of the gradients rebuilt from consecutive momenta."""
+        g_rec = (m - self.cfg.b1 * mp) / (1 - self.cfg.b1)
+        return self.cfg.b2 * vf + (1 - self.cfg.b2) * g_rec * g_rec
+
+    def raw_factor(self, m, mp, v, vf, x):
+        """``f = max_j (sqrt(v_frozen_hat) + eps) / (sqrt(v_fresh_hat) + eps)``, blended
+        toward 1 by the share of weight decay in the step."""
+        cfg = self.cfg
+        vf = self.fresh_update(m, mp, vf)
+        denom = jnp.sqrt(v / self.bc2_frozen) + cfg.eps
+        fac = jnp.max(denom / (jnp.sqrt(vf / self.bc2_fresh) + cfg.eps)) if v.size else jnp.ones(())
+        if cfg.weight_decay:
+            u_pre = _ratio(cfg, m / self.bc1, v / self.bc2_frozen, guarded=True)
+            u = u_pre + cfg.weight_decay * x
+            un_ = jnp.linalg.norm(u)
+            rho = jnp.minimum(1.0, jnp.linalg.norm(u_pre) / jnp.where(un_ > 0, un_, 1.0))
+            fac = rho * fac + (1.0 - rho)
+        return fac
+
+    def combine(self, leaf):
+        """Per leaf: the new moments, coefficient, factor and the step of this stage."""
+        m, v, vf, c, f_prev, g, x, r, fac = leaf
+        cfg, lc = self.cfg, self.lc
+        warm = self.state.count < cfg.warmup_steps
+        m_w, v_w, u_w = self.warm_update(m, v, g, x)
+        # Compression stage: `g` is the exchanged momentum; the second moment is frozen.
+        vf_c = self.fresh_update(g, m, vf)
+        u_c = _ratio(cfg, g / self.bc1, v / self.bc2_frozen, guarded=True) + cfg.weight_decay * x
+        fac = jnp.clip(fac, lc.factor_min, lc.factor_max)
+        fac = jnp.clip(fac, f_prev * (1 - lc.factor_threshold), f_prev * (1 + lc.factor_threshold))
+        return (jnp.where(warm, m_w, g), jnp.where(warm, v_w, v), jnp.where(warm, v_w, vf_c),
+                jnp.where(warm, lc.coeff_beta * c + (1 - lc.coeff_beta) * r, c),
+                jnp.where(warm, f_prev, fac), jnp.where(warm, r * u_w, (c / self.bc_c) * fac * u_c))
+
+
+def _lamb_update(lc: _LambConfig, updates, state: OneBitLambState, params):
+    cfg = lc.base
+    if params is None:
+        raise ValueError("onebit_lamb: the trust ratio needs `params` in update(grads, state, params).")
+    n_rep = guards.check_bound(cfg.axis_name, cfg.factory)
+    grads, treedef = jax.tree_util.tree_flatten(updates)
+    leaves = lambda t: treedef.flatten_up_to(t)  # noqa: E731
+    w = [p.astype(jnp.float32) for p in leaves(params)]
+    mu, nu, nu_fresh = leaves(state.mu), leaves(state.nu), leaves(state.nu_fresh)
+    coeff, factor = leaves(state.coeff), leaves(state.factor)
+    step = _LambStep(lc, state, w)
+
+    def warm(ops):
+        grads, mu, ex = ops
+        g = _exact_leaves(cfg, grads, n_rep)  # the exchanged mean gradient
+        us = [step.warm_update(m, v, x_g, x)[2] for m, v, x_g, x in zip(mu, nu, g, w)]
+        ratios = _replica_mean(cfg, [step.trust(u, x) for u, x in zip(us, w)], n_rep)
+        return g, ex, ratios, list(factor)
+
+    def comp(ops):
+        grads, mu_prev, ex = ops
+        local = [cfg.b1 * m + (1 - cfg.b1) * g.astype(jnp.float32) for m, g in zip(mu_prev, grads)]
+        mu_new, ex = _exchange(cfg, local, treedef, ex)
+        raw = [step.raw_factor(m, mp, v, vf, x) for m, mp, v, vf, x in zip(mu_new, mu_prev, nu, nu_fresh, w)]
+        if cfg.weight_decay:  # the factor then depends on the (possibly per-replica) parameters
+            raw = _replica_mean(cfg, raw, n_rep)
+        return mu_new, ex, [jnp.zeros((), jnp.float32) for _ in mu_new], raw
+
+    mean, ex, ratios, raw = _stage(cfg, state.count, warm, comp, (grads, mu, state.exchange))
+    cols = list(zip(*[step.combine(leaf) for leaf in
+                      zip(mu, nu, nu_fresh, coeff, factor, mean, w, ratios, raw)]))
+    un = lambda ls: jax.tree_util.tree_unflatten(treedef, list(ls))  # noqa: E731
+    new_state = OneBitLambState(count=state.count + 1, mu=un(cols[0]), nu=un(cols[1]),
+                                nu_fresh=un(cols[2]), coeff=un(cols[3]), factor=un(cols[4]),
+                                exchange=ex)
+    bad = _any_nonfinite(mean)
+    return _output(bad, list(cols[5]), grads, treedef), guards.keep_if(bad, state, new_state)
+
+
+def _scale_by_onebit_lamb(lc: _LambConfig) -> optax.GradientTransformation:
+    def init_fn(params):
+        return OneBitLambState(
+            count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params), nu=_f32_zeros(params),
+            nu_fresh=_f32_zeros(params),
+            coeff=jax.tree_util.tree_map(lambda p: jnp.zeros((), jnp.float32), params),
+            factor=jax.tree_util.tree_map(lambda p: jnp.ones((), jnp.float32), params),
+            exchange=_exchange_tx(lc.base).init(params),
+        )
+
+    def update_fn(updates, state, params=None):
+        return _lamb_update(lc, updates, state, params)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _lamb_config(cfg: _Config, *, min_coeff, max_coeff, coeff_beta, factor_min, factor_max,
+                 factor_threshold) -> _LambConfig:
+    v, f, inf = validation, "onebit_lamb", np.inf
+    min_coeff = v.check_float("min_coeff", min_coeff, 0.0, inf, factory=f, hi_open=True)
+    max_coeff = v.check_float("max_coeff", max_coeff, 0.0, inf, factory=f, hi_open=True)
+    if max_coeff < min_coeff:
+        raise ValueError(f"onebit_lamb: `max_coeff` ({max_coeff}) must be >= `min_coeff` ({min_coeff}).")
+    factor_min = v.check_float("factor_min", factor_min, 0.0, inf, factory=f, lo_open=True, hi_open=True)
+    factor_max = v.check_float("factor_max", factor_max, 0.0, inf, factory=f, lo_open=True, hi_open=True)
+    if not factor_min <= 1.0 <= factor_max:
+        raise ValueError(
+            f"onebit_lamb: need `factor_min` <= 1 <= `factor_max` (the factor starts at 1); "
+            f"got factor_min={factor_min}, factor_max={factor_max}.")
+    return _LambConfig(
+        cfg, min_coeff, max_coeff,
+        v.check_float("coeff_beta", coeff_beta, 0.0, 1.0, factory=f, hi_open=True),
+        factor_min, factor_max,
+        v.check_float("factor_threshold", factor_threshold, 0.0, 1.0, factory=f, hi_open=True))
+
+
 def onebit_lamb(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     *,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -558,7 +626,8 @@ def onebit_lamb(
       factor_threshold: largest relative change of the factor from one step to the next.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`OneBitLambState`.
+      ``optax.chain`` of the 1-bit LAMB scaling (state :class:`OneBitLambState`; weight
+      decay is inside it, before the trust ratio) and ``optax.scale_by_learning_rate``.
     """
     cfg = _make_config(
         "onebit_lamb", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -567,125 +636,7 @@ def onebit_lamb(
         bias_correction=bias_correction, min_compress_size=min_compress_size,
         compress_vectors=compress_vectors, num_replicas=num_replicas, min_warmup=1,
     )
-    f = "onebit_lamb"
-    min_coeff = _check_float(f, "min_coeff", min_coeff, 0.0, np.inf, hi_open=True)
-    max_coeff = _check_float(f, "max_coeff", max_coeff, 0.0, np.inf, hi_open=True)
-    if max_coeff < min_coeff:
-        raise ValueError(f"onebit_lamb: `max_coeff` ({max_coeff}) must be >= `min_coeff` ({min_coeff}).")
-    coeff_beta = _check_float(f, "coeff_beta", coeff_beta, 0.0, 1.0, hi_open=True)
-    factor_min = _check_float(f, "factor_min", factor_min, 0.0, np.inf, lo_open=True, hi_open=True)
-    factor_max = _check_float(f, "factor_max", factor_max, 0.0, np.inf, lo_open=True, hi_open=True)
-    if not factor_min <= 1.0 <= factor_max:
-        raise ValueError(
-            f"onebit_lamb: need `factor_min` <= 1 <= `factor_max` (the factor starts at 1); "
-            f"got factor_min={factor_min}, factor_max={factor_max}.")
-    factor_threshold = _check_float(f, "factor_threshold", factor_threshold, 0.0, 1.0, hi_open=True)
-
-    def init_fn(params):
-        cm = _exchange_tx(cfg).init(params)
-        scalars = jax.tree_util.tree_map(lambda p: jnp.zeros((), jnp.float32), params)
-        return OneBitLambState(
-            count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params), nu=_f32_zeros(params),
-            nu_fresh=_f32_zeros(params), coeff=scalars,
-            factor=jax.tree_util.tree_map(lambda p: jnp.ones((), jnp.float32), params),
-            residual=cm.residual, server_residual=cm.server_residual,
-        )
-
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("onebit_lamb: the trust ratio needs `params` in update(grads, state, params).")
-        n_rep = _check_axis(cfg)
-        grads, treedef = jax.tree_util.tree_flatten(updates)
-        w = [p.astype(jnp.float32) for p in _leaves_of(params, treedef)]
-        mu = _leaves_of(state.mu, treedef)
-        t1 = state.count + 1
-        bc1 = _bias(cfg.b1, t1, cfg.bias_correction)
-        wd = cfg.weight_decay
-
-        def trust(u, x):
-            wn, un = jnp.linalg.norm(x), jnp.linalg.norm(u)
-            return jnp.where((wn > 0) & (un > 0),
-                             jnp.clip(wn / jnp.where(un > 0, un, 1.0), min_coeff, max_coeff), 1.0)
-
-        nu = _leaves_of(state.nu, treedef)
-        nu_fresh = _leaves_of(state.nu_fresh, treedef)
-        coeff = _leaves_of(state.coeff, treedef)
-        factor = _leaves_of(state.factor, treedef)
-        tw = jnp.asarray(cfg.warmup_steps)
-        bc2_frozen = _bias(cfg.b2, tw, cfg.bias_correction)
-        bc2_fresh = _bias(cfg.b2, t1, cfg.bias_correction)
-        bc_c = 1.0 - coeff_beta ** cfg.warmup_steps
-
-        def warm_update(m, v, g, x):  # moments and LAMB direction of the warm-up stage
-            m = cfg.b1 * m + (1 - cfg.b1) * g
-            v = cfg.b2 * v + (1 - cfg.b2) * g * g
-            return m, v, _ratio(cfg, m / bc1, v / bc2_fresh, guarded=False) + wd * x
-
-        def fresh_update(m, mp, vf):  # second moment of the gradients rebuilt from momenta
-            g_rec = (m - cfg.b1 * mp) / (1 - cfg.b1)
-            return cfg.b2 * vf + (1 - cfg.b2) * g_rec * g_rec
-
-        # Only the exchange and the per-leaf scalar collectives are staged: a
-        # conditional's operands and results are whole buffers, so the elementwise
-        # updates live outside it, where they fuse (as in onebit_adam).
-        def warm(ops):
-            grads, mu, nu, nu_fresh, res, srv = ops
-            g = _exact_mean(cfg, grads, n_rep)  # the exchanged mean gradient
-            us = [warm_update(m, v, x_g, x)[2] for m, v, x_g, x in zip(mu, nu, g, w)]
-            ratios = _replica_mean(cfg, [trust(u, x) for u, x in zip(us, w)], n_rep)
-            return g, res, srv, ratios, list(factor)
-
-        def comp(ops):
-            grads, mu_prev, nu, nu_fresh, res, srv = ops
-            local = [cfg.b1 * m + (1 - cfg.b1) * g.astype(jnp.float32) for m, g in zip(mu_prev, grads)]
-            mu, res, srv = _compressed_mean(cfg, local, treedef, res, srv, state.count)
-            raw = []
-            for m, mp, v, vf, x in zip(mu, mu_prev, nu, nu_fresh, w):
-                vf = fresh_update(m, mp, vf)
-                u_pre = _ratio(cfg, m / bc1, v / bc2_frozen, guarded=True)
-                denom = jnp.sqrt(v / bc2_frozen) + cfg.eps
-                fac = jnp.max(denom / (jnp.sqrt(vf / bc2_fresh) + cfg.eps)) if v.size else jnp.ones(())
-                if wd:
-                    u = u_pre + wd * x
-                    un_ = jnp.linalg.norm(u)
-                    rho = jnp.minimum(1.0, jnp.linalg.norm(u_pre) / jnp.where(un_ > 0, un_, 1.0))
-                    fac = rho * fac + (1.0 - rho)
-                raw.append(fac)
-            if wd:  # the factor then depends on the (possibly per-replica) parameters
-                raw = _replica_mean(cfg, raw, n_rep)
-            return mu, res, srv, [jnp.zeros((), jnp.float32) for _ in mu], raw
-
-        # The compression stage's fresh second moment is computed again here (its
-        # factor, above, needed it inside the conditional): an elementwise pass instead
-        # of a gradient-sized result of the conditional.
-        mean, res, srv, ratios, raw = _stage(
-            cfg, state.count, warm, comp, (grads, mu, nu, nu_fresh, state.residual, state.server_residual))
-        in_warmup = state.count < cfg.warmup_steps
-        new_mu, new_nu, new_fresh, new_coeff, new_factor, steps = [], [], [], [], [], []
-        for m, v, vf, c, f_prev, g, x, r, fac in zip(mu, nu, nu_fresh, coeff, factor, mean, w, ratios, raw):
-            m_w, v_w, u_w = warm_update(m, v, g, x)
-            # Compression stage: `g` is the exchanged momentum; the second moment is frozen.
-            vf_c = fresh_update(g, m, vf)
-            u_c = _ratio(cfg, g / bc1, v / bc2_frozen, guarded=True) + wd * x
-            fac = jnp.clip(fac, factor_min, factor_max)
-            fac = jnp.clip(fac, f_prev * (1 - factor_threshold), f_prev * (1 + factor_threshold))
-            new_mu.append(jnp.where(in_warmup, m_w, g))
-            new_nu.append(jnp.where(in_warmup, v_w, v))
-            new_fresh.append(jnp.where(in_warmup, v_w, vf_c))
-            new_coeff.append(jnp.where(in_warmup, coeff_beta * c + (1 - coeff_beta) * r, c))
-            new_factor.append(jnp.where(in_warmup, f_prev, fac))
-            steps.append(jnp.where(in_warmup, r * u_w, (c / bc_c) * fac * u_c))
-        bad = _any_nonfinite(mean)
-        un = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
-        new_state = OneBitLambState(
-            count=t1, mu=un(new_mu), nu=un(new_nu), nu_fresh=un(new_fresh), coeff=un(new_coeff),
-            factor=un(new_factor), residual=res, server_residual=srv,
-        )
-        new_state = _select(bad, state, new_state)
-        # Weight decay is already inside u (LAMB); _finish must not add it again.
-        lr = _learning_rate(cfg, state.count)
-        out = [jnp.where(bad, jnp.nan, -lr * s).astype(p.dtype)
-               for s, p in zip(steps, _leaves_of(params, treedef))]
-        return un(out), new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    lc = _lamb_config(cfg, min_coeff=min_coeff, max_coeff=max_coeff, coeff_beta=coeff_beta,
+                      factor_min=factor_min, factor_max=factor_max,
+                      factor_threshold=factor_threshold)
+    return _schedule_chain(_scale_by_onebit_lamb(lc), learning_rate)
