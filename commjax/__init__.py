@@ -13,6 +13,7 @@ from commjax.accounting import CollectiveReport, collective_bytes, exact_mean_by
 from commjax.compressors import (
     Compressor,
     cast,
+    hadamard,
     identity,
     powersgd,
     qsgd,
@@ -31,7 +32,8 @@ from commjax.layout import (
     state_specs,
     unshard_state,
 )
-from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb
+from commjax.fsdp import fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard
+from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb, zero
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.collectives import REDUCERS, valid_reducers as reducers_for
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
@@ -40,8 +42,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
-    "top_k", "random_k", "threshold", "powersgd",
-    "dgc", "onebit_adam", "onebit_lamb", "diloco",
+    "top_k", "random_k", "threshold", "powersgd", "hadamard",
+    "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
+    "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs",
     "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
