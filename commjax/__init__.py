@@ -32,8 +32,11 @@ from commjax.layout import (
     state_specs,
     unshard_state,
 )
-from commjax.fsdp import fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard
+from commjax.fsdp import (
+    fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard, fsdp_wire_bytes,
+)
 from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb, zero
+from commjax.optimizers.zero import ZeroState, zero_wire_bytes
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.collectives import REDUCERS, valid_reducers as reducers_for
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
@@ -44,7 +47,8 @@ __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
     "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
-    "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs",
+    "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "fsdp_wire_bytes",
+    "ZeroState", "zero_wire_bytes",
     "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
