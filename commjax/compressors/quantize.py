@@ -12,6 +12,10 @@ Rounding of ``q = x / s * L`` to an integer level:
   ``E[x_hat] = x`` (unbiased) and ``|x - x_hat| < s / L``.
 
 All-zero blocks have ``s = 0`` and decode to exact zeros.
+
+Encoding, error feedback and decoding run through :mod:`commjax.kernels`; the codecs'
+``kernels`` field picks the implementation (``None``: ``$COMMJAX_KERNELS``, else
+``"auto"``) and never changes a bit of the result.
 """
 
 from __future__ import annotations
@@ -24,15 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax import kernels, noise
+from commjax import kernels as _kernels
+from commjax import noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
+from commjax.kernels.reference import safe_recip
 from commjax.packing import packed_words
 
 __all__ = ["Quantize", "QSGD", "TernGrad", "quantize", "qsgd", "terngrad"]
-
-
-def _safe_recip(s: jax.Array) -> jax.Array:
-    return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
 
 
 def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool, start: int = 0) -> Optional[jax.Array]:
@@ -46,16 +48,26 @@ def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool
     return noise.uniform(key, shape, start=start)
 
 
-def _round_levels(q: jax.Array, key: Optional[jax.Array], stochastic: bool, start: int = 0) -> jax.Array:
+def _round_levels(x: jax.Array, c: jax.Array, key: Optional[jax.Array], stochastic: bool,
+                  start: int = 0) -> jax.Array:
+    """``R(x * c)`` for a non-negative ``c``; the product is rounded to fp32 before the
+    noise is added (:func:`commjax.kernels.fence`), as in the quantize kernel."""
+    q = _kernels.fence(x * c, c)
     u = _uniforms(key, q.shape, stochastic, start)
     return jnp.round(q) if u is None else jnp.floor(q + u)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ScaledCodec(BlockCompressor):
-    """Shared layout: ``[packed codes | scale]`` per block, codes offset to be unsigned."""
+    """Shared layout: ``[packed codes | scale]`` per block, codes offset to be unsigned.
+
+    ``kernels``: the implementation of :mod:`commjax.kernels` this codec's encode and
+    decode run (``None``: ``$COMMJAX_KERNELS``, else ``"auto"``). A field, so it is part
+    of the codec's hash and of every trace that uses it.
+    """
 
     block_size: int = 256
+    kernels: Optional[str] = dataclasses.field(default=None, kw_only=True)
 
     @property
     def block(self) -> int:
@@ -76,22 +88,23 @@ class _ScaledCodec(BlockCompressor):
 
     def _pack(self, levels: jax.Array, scale: jax.Array) -> jax.Array:
         codes = (levels + self.offset).astype(jnp.uint32)
-        words = kernels.pack_codes(codes, self.bits)
+        words = _kernels.pack_codes(codes, self.bits, impl=self.kernels)
         scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
         return jnp.concatenate([words, scale_word[:, None]], axis=1)
 
-    def _unpack(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-        codes = kernels.unpack_codes(rows[:, :-1], self.bits, self.block_size)
-        levels = codes.astype(jnp.int32) - self.offset
-        scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
-        return levels.astype(jnp.float32), scale
-
-    # decode_blocks is ``(c - offset) * (scale / divisor)`` (``* scale`` when None).
-    _divisor: ClassVar[Optional[str]] = None
+    @property
+    def divisor(self) -> Optional[int]:
+        """A block decodes to ``(c - offset) * (scale / divisor)`` (``* scale`` if None)."""
+        return None
 
     def _decode_options(self) -> dict:
-        divisor = None if self._divisor is None else getattr(self, self._divisor)
-        return dict(bits=self.bits, block_size=self.block_size, offset=self.offset, divisor=divisor)
+        return dict(bits=self.bits, block_size=self.block_size, offset=self.offset,
+                    divisor=self.divisor, impl=self.kernels)
+
+    def decode_blocks(self, rows):
+        """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`);
+        each value rounded to fp32 (no multiply-add with what the caller does next)."""
+        return _kernels.decode_rows(rows, **self._decode_options())
 
     def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
         """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
@@ -103,7 +116,21 @@ class _ScaledCodec(BlockCompressor):
         without kernels and on every replica.
         """
         rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
-        return kernels.decode_sum(rows, **self._decode_options()).reshape(n)
+        return _kernels.decode_sum(rows, **self._decode_options()).reshape(n)
+
+
+def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, levels: int,
+                     stochastic: bool):
+    """``(encode(x + e), x + e - decode(encode(x + e)))`` of an absmax codec (quantize,
+    unclipped TernGrad), flat in and out, from one :func:`commjax.kernels.quantize_blocks`
+    pass with ``output="residual"``."""
+    nb = x.shape[0] // codec.block
+    u = _uniforms(key, (nb, codec.block), stochastic, start)
+    rows, res = _kernels.quantize_blocks(
+        x.reshape(nb, codec.block), bits=codec.bits, levels=levels, uniforms=u,
+        residual=residual.reshape(nb, codec.block), output="residual", impl=codec.kernels,
+    )
+    return rows.reshape(-1), res.reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,31 +158,25 @@ class Quantize(_ScaledCodec):
     def offset(self) -> int:
         return self.levels
 
-    _divisor: ClassVar[Optional[str]] = "levels"
+    @property
+    def divisor(self) -> int:
+        return self.levels
 
     def encode_blocks(self, blocks, key, start=0):
         # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale],
         # fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
         # exactly these operations).
         u = _uniforms(key, blocks.shape, self.stochastic_rounding, start)
-        return kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, uniforms=u, output=None)[0]
+        return _kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, uniforms=u,
+                                        output=None, impl=self.kernels)[0]
 
     def encode_feedback(self, x, residual, key, *, start=0):
         """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
-        (:func:`commjax.kernels.quantize_blocks` with ``output="residual"``). The decoded
-        value is rounded to fp32 before the subtraction (no fused multiply-add)."""
-        nb = x.shape[0] // self.block
-        u = _uniforms(key, (nb, self.block), self.stochastic_rounding, start)
-        rows, res = kernels.quantize_blocks(
-            x.reshape(nb, self.block), bits=self.bits, levels=self.levels, uniforms=u,
-            residual=residual.reshape(nb, self.block), output="residual",
-        )
-        return rows.reshape(-1), res.reshape(-1)
-
-    def decode_blocks(self, rows):
-        lv, scale = self._unpack(rows)
-        return lv * (scale / self.levels)[:, None]
+        (:func:`commjax.kernels.quantize_blocks` with ``output="residual"``), the same
+        bits as encoding, decoding and subtracting."""
+        return _absmax_feedback(self, x, residual, key, start, levels=self.levels,
+                                stochastic=self.stochastic_rounding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +197,13 @@ class QSGD(_ScaledCodec):
 
     def encode_blocks(self, blocks, key, start=0):
         norm = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=1))
-        q = jnp.abs(blocks) * (self.num_levels * _safe_recip(norm))[:, None]
-        lv = jnp.clip(_round_levels(q, key, True, start), 0, self.num_levels) * jnp.sign(blocks)
+        c = (self.num_levels * safe_recip(norm))[:, None]
+        lv = jnp.clip(_round_levels(jnp.abs(blocks), c, key, True, start), 0, self.num_levels) * jnp.sign(blocks)
         return self._pack(lv, norm)
 
-    _divisor: ClassVar[Optional[str]] = "num_levels"
-
-    def decode_blocks(self, rows):
-        lv, norm = self._unpack(rows)
-        return lv * (norm / self.num_levels)[:, None]
+    @property
+    def divisor(self) -> int:
+        return self.num_levels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,21 +227,25 @@ class TernGrad(_ScaledCodec):
             # Unclipped TernGrad is 2-bit absmax quantization with L = 1 and stochastic
             # rounding: the same operations, so the same fused kernel.
             u = _uniforms(key, blocks.shape, True, start)
-            return kernels.quantize_blocks(blocks, bits=2, levels=1, uniforms=u, output=None)[0]
+            return _kernels.quantize_blocks(blocks, bits=2, levels=1, uniforms=u, output=None,
+                                            impl=self.kernels)[0]
         sigma = jnp.std(blocks, axis=1, keepdims=True)
         bound = self.clip_sigma * sigma
         blocks = jnp.clip(blocks, -bound, bound)
         scale = jnp.max(jnp.abs(blocks), axis=1)
-        q = blocks * _safe_recip(scale)[:, None]
-        lv = jnp.clip(_round_levels(q, key, True, start), -1, 1)
+        lv = jnp.clip(_round_levels(blocks, safe_recip(scale)[:, None], key, True, start), -1, 1)
         return self._pack(lv, scale)
 
-    def decode_blocks(self, rows):
-        lv, scale = self._unpack(rows)
-        return lv * scale[:, None]
+    def encode_feedback(self, x, residual, key, *, start=0):
+        """Unclipped: error feedback fused with encoding in one kernel pass, as for
+        :meth:`Quantize.encode_feedback` (``L = 1``). Clipped: encode, decode, subtract."""
+        if self.clip_sigma is not None:
+            return super().encode_feedback(x, residual, key, start=start)
+        return _absmax_feedback(self, x, residual, key, start, levels=1, stochastic=True)
 
 
-def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True) -> Quantize:
+def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
+             kernels: Optional[str] = None) -> Quantize:
     """Blockwise absmax quantization.
 
     Each block of ``block_size`` elements sends its scale ``s = max_i |x_i|`` (fp32) and
@@ -236,36 +259,45 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True) -> Q
       bits: code width, one of 8, 4, 2 (2 bits gives the levels {-1, 0, +1}).
       block_size: elements per scale; multiples of 32 waste no packing space.
       stochastic: unbiased stochastic rounding (default) or round-to-nearest.
+      kernels: the :mod:`commjax.kernels` implementation that encodes and decodes:
+        ``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``
+        (``$COMMJAX_KERNELS`` if set, else ``"auto"``). The bits do not depend on it.
     """
     check_choice("bits", bits, (8, 4, 2), factory="quantize")
     check_positive_int("block_size", block_size, factory="quantize")
-    return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=bool(stochastic))
+    _kernels.check_impl(kernels, "quantize", "kernels")
+    return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=bool(stochastic),
+                    kernels=kernels)
 
 
-def qsgd(levels: int = 16, block_size: int = 256) -> QSGD:
+def qsgd(levels: int = 16, block_size: int = 256, *, kernels: Optional[str] = None) -> QSGD:
     """QSGD (Alistarh et al., 2017): norm-scaled stochastic quantization.
 
     Per block, ``x_hat_i = ||x||_2 sign(x_i) l_i / s`` where ``l_i`` rounds
     ``|x_i| / ||x||_2 * s`` stochastically to ``{0..s}`` (``s = levels``); unbiased.
     Codes are ``ceil(log2(2 s + 1))`` bits (6 for ``levels=16``, 4 for ``levels=7``) plus
-    one fp32 norm per block.
+    one fp32 norm per block. ``kernels``: as for :func:`quantize`.
     """
     check_positive_int("levels", levels, factory="qsgd")
     if levels > 32767:
         raise ValueError(f"qsgd: `levels` must be <= 32767, got {levels}.")
     check_positive_int("block_size", block_size, factory="qsgd")
-    return QSGD(block_size=block_size, num_levels=levels)
+    _kernels.check_impl(kernels, "qsgd", "kernels")
+    return QSGD(block_size=block_size, num_levels=levels, kernels=kernels)
 
 
-def terngrad(block_size: int = 256, clip_sigma: Optional[float] = None) -> TernGrad:
+def terngrad(block_size: int = 256, clip_sigma: Optional[float] = None, *,
+             kernels: Optional[str] = None) -> TernGrad:
     """TernGrad (Wen et al., 2017): ternary levels ``{-s, 0, +s}`` per block.
 
     ``x_hat_i = s sign(x_i) b_i`` with ``s = max |x|`` over the block and
     ``b_i ~ Bernoulli(|x_i| / s)``: unbiased. 2 bits per element plus a scale per block.
     ``clip_sigma`` (the paper's gradient clipping, e.g. 2.5) first clips to
     ``clip_sigma * std`` of the block: lower variance, but then biased.
+    ``kernels``: as for :func:`quantize`.
     """
     check_positive_int("block_size", block_size, factory="terngrad")
     if clip_sigma is not None and not clip_sigma > 0:
         raise ValueError(f"terngrad: `clip_sigma` must be positive or None, got {clip_sigma!r}.")
-    return TernGrad(block_size=block_size, clip_sigma=clip_sigma)
+    _kernels.check_impl(kernels, "terngrad", "kernels")
+    return TernGrad(block_size=block_size, clip_sigma=clip_sigma, kernels=kernels)

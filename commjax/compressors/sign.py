@@ -6,10 +6,8 @@ import dataclasses
 from typing import ClassVar, Optional
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from commjax import kernels
+from commjax import kernels as _kernels
 from commjax.compressors.base import BlockCompressor, check_positive_int
 from commjax.packing import words_per_plane
 
@@ -23,9 +21,13 @@ class Sign(BlockCompressor):
     The scale is the mean absolute value over the whole block (padding included), which
     makes ``x_hat`` the best scaled-sign approximation in the l2 sense. Zeros encode as
     ``+s``; an all-zero block decodes to exact zeros. Biased: use it with error feedback.
+
+    ``kernels``: the implementation of :mod:`commjax.kernels` that encode and decode run
+    (``None``: ``$COMMJAX_KERNELS``, else ``"auto"``); part of the codec's hash.
     """
 
     block_size: int = 256
+    kernels: Optional[str] = dataclasses.field(default=None, kw_only=True)
     name: ClassVar[str] = "sign"
 
     @property
@@ -39,22 +41,27 @@ class Sign(BlockCompressor):
     def encode_blocks(self, blocks, key, start=0):
         # scale = mean |x|; bits = x >= 0; row = [pack(bits) | scale], fused in one kernel
         # pass (commjax.kernels.sign_blocks, whose reference is exactly these operations).
-        return kernels.sign_blocks(blocks, output=None)[0]
+        return _kernels.sign_blocks(blocks, output=None, impl=self.kernels)[0]
 
     def encode_feedback(self, x, residual, key, *, start=0):
         """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
         (:func:`commjax.kernels.sign_blocks` with ``output="residual"``)."""
         nb = x.shape[0] // self.block
-        rows, res = kernels.sign_blocks(
-            x.reshape(nb, self.block), residual=residual.reshape(nb, self.block), output="residual"
+        rows, res = _kernels.sign_blocks(
+            x.reshape(nb, self.block), residual=residual.reshape(nb, self.block), output="residual",
+            impl=self.kernels,
         )
         return rows.reshape(-1), res.reshape(-1)
 
+    def _decode_options(self) -> dict:
+        # Bit b decodes to (2 b - 1) * scale.
+        return dict(bits=1, block_size=self.block_size, offset=1, step=2, divisor=None,
+                    impl=self.kernels)
+
     def decode_blocks(self, rows):
-        bits = kernels.unpack_codes(rows[:, :-1], 1, self.block_size)
-        scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
-        return (bits.astype(jnp.float32) * 2.0 - 1.0) * scale[:, None]
+        """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`)."""
+        return _kernels.decode_rows(rows, **self._decode_options())
 
     def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
         """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
@@ -62,11 +69,10 @@ class Sign(BlockCompressor):
         receives, in one fused kernel (:func:`commjax.kernels.decode_sum`), in replica
         order and in fp32 from zeros."""
         rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
-        return kernels.decode_sum(rows, bits=1, block_size=self.block_size, offset=1, step=2,
-                                  divisor=None).reshape(n)
+        return _kernels.decode_sum(rows, **self._decode_options()).reshape(n)
 
 
-def sign(block_size: int = 256) -> Sign:
+def sign(block_size: int = 256, *, kernels: Optional[str] = None) -> Sign:
     """1 bit per element (32 signs per uint32 word) plus one fp32 scale per block.
 
     Bits per element: ``1 + 32 / block_size`` (1.125 at the default 256).
@@ -78,6 +84,10 @@ def sign(block_size: int = 256) -> Sign:
     applied *after* a sign-compressed mean amplifies the compression error (the momentum
     buffer accumulates the sign noise that error feedback has not yet corrected): expect
     a slower start with ``optax.sgd(momentum=0.9)`` after ``sign``.
+
+    ``kernels``: the :mod:`commjax.kernels` implementation that encodes and decodes, as
+    for :func:`commjax.quantize`.
     """
     check_positive_int("block_size", block_size, factory="sign")
-    return Sign(block_size=block_size)
+    _kernels.check_impl(kernels, "sign", "kernels")
+    return Sign(block_size=block_size, kernels=kernels)

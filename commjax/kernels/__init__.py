@@ -1,12 +1,14 @@
-"""Kernel dispatch: every hot path of the codecs is called through here.
+"""Kernels: every hot path of the codecs, as a Pallas kernel beside its pure-jnp reference.
 
-``COMMJAX_KERNELS`` selects the implementation: ``auto`` (default: Pallas kernels on
-GPU/TPU, the pure-jnp reference elsewhere), ``pallas``, ``interpret`` (Pallas interpret
-mode, for CPU tests) or ``reference``. Results do not depend on the mode (see
-:mod:`commjax.kernels._dispatch` for the exceptions JAX imposes: no ``grad`` through a
-kernel; interpret mode under ``shard_map(check_vma=True)``).
+Each function takes ``impl`` (the codecs pass their ``kernels`` field): ``"auto"``,
+``"pallas"``, ``"interpret"`` (Pallas interpret mode, for CPU tests), ``"reference"``, or
+``None`` for ``$COMMJAX_KERNELS`` if set, else ``"auto"``. ``auto`` runs the reference on
+every backend whose compiled kernels have not passed the on-device check (all of them
+today: the Mosaic GPU kernels have never run on a GPU); see
+:mod:`commjax.kernels._dispatch`. Results do not depend on ``impl``: every
+implementation computes the bits of the reference.
 
-Kernels, each beside its pure-jnp reference (the oracle of the tests):
+Kernels (references in :mod:`commjax.kernels.reference`):
 
 * :func:`quantize_blocks` -- error feedback + blockwise absmax quantization + bit-plane
   packing in one pass (``cj.quantize`` 8/4/2 bits, TernGrad), stochastic rounding from
@@ -24,13 +26,14 @@ Lowerings: Mosaic TPU (row-tiled ``pallas_call``), Mosaic GPU
 
 from __future__ import annotations
 
-from commjax.kernels._dispatch import ENV_VAR, MODES, get_mode, set_mode, use_mode
+from commjax.kernels._dispatch import (ENV_VAR, IMPLS, VERIFIED_BACKENDS, auto_impl, check_impl,
+                                       fence, resolve_impl)
 from commjax.kernels.decode import decode_rows, decode_sum
 from commjax.kernels.pack import pack_codes, unpack_codes
 from commjax.kernels.quantize import quantize_blocks
 from commjax.kernels.sign import sign_blocks
 
 __all__ = [
-    "MODES", "ENV_VAR", "get_mode", "set_mode", "use_mode",
-    "quantize_blocks", "sign_blocks", "decode_rows", "decode_sum", "pack_codes", "unpack_codes",
+    "IMPLS", "ENV_VAR", "VERIFIED_BACKENDS", "check_impl", "resolve_impl", "auto_impl",
+    "fence", "quantize_blocks", "sign_blocks", "decode_rows", "decode_sum", "pack_codes", "unpack_codes",
 ]

@@ -1,35 +1,41 @@
-"""Mode selection and the one function that runs a kernel or its reference.
+"""Which implementation of a kernel runs, chosen by an argument; the one function that
+runs it; and the helpers every implementation shares.
 
 Every kernel in :mod:`commjax.kernels` is a pair: a Pallas kernel and a pure-jnp
-reference that computes the same bits. :func:`dispatch` picks one of them **at trace
-time** from the current mode:
+reference that computes the same bits. Each kernel function takes ``impl``:
 
 ==============  ==========================================================================
-mode            what runs
+``impl``        what runs
 ==============  ==========================================================================
-``auto``        the Pallas kernel on the default backend if it is a TPU (Mosaic TPU) or a
-                CUDA GPU (Mosaic GPU), the reference elsewhere (CPU, ROCm); decided from
-                ``jax.default_backend()`` when the function is traced
-``pallas``      the kernel for whichever platform the computation is *lowered* for
-                (``lax.platform_dependent``): use it for cross-platform lowering and
-                ``jax.export``; on CPU the lowering fails with JAX's "only interpret mode
-                is supported" error
-``interpret``   the kernel in Pallas interpret mode (any platform; the CPU test mode)
-``reference``   the pure-jnp reference
+``None``        ``$COMMJAX_KERNELS`` if set, else ``"auto"`` (read when the caller is
+                traced)
+``"auto"``      :func:`auto_impl` of the default backend: the reference on every backend
+                today (see below)
+``"pallas"``    the compiled kernel for whichever platform the computation is *lowered*
+                for (Mosaic TPU, Mosaic GPU on CUDA; ``lax.platform_dependent``); on CPU
+                JAX refuses to lower it with an "only interpret mode" error
+``"interpret"`` the kernel in Pallas interpret mode (any platform; the CPU test mode)
+``"reference"`` the pure-jnp reference
 ==============  ==========================================================================
 
-The mode comes from :func:`set_mode` / :func:`use_mode` if set, else from the
-environment variable ``COMMJAX_KERNELS`` (read on every trace), else ``auto``. JAX
-caches traces per function, and the mode is not part of its cache key: a function
-already traced keeps the mode it was traced with. :func:`set_mode` and :func:`use_mode`
-therefore clear JAX's caches (``jax.clear_caches()``) when the mode changes; after
-changing the environment variable in a running process, call ``jax.clear_caches()``.
+The codecs carry the choice as a field (``cj.quantize(bits=8, kernels="interpret")``),
+hashable and so part of every trace that closes over the codec: two codecs that differ
+only in ``kernels`` trace separately, and nothing global changes. The environment
+variable is read at trace time: a function already traced keeps the implementation it
+was traced with, so set it before the first trace (or pass the argument).
+
+Why ``auto`` is the reference on GPU and TPU: the Mosaic GPU kernels have been lowered
+but never executed on a GPU, and the Mosaic TPU kernels have been lowered only to the
+Pallas level (Mosaic's own passes run on a TPU host). An unverified kernel does not go
+into a user's step by default: ``kernels="pallas"`` (or ``COMMJAX_KERNELS=pallas``) opts
+in, and ``benchmarks/gpu_check.sh`` (``benchmarks/kernels.py --check``) is the on-device
+check. A backend joins :data:`VERIFIED_BACKENDS` once that check has passed on it.
 
 Two things JAX does not do with a ``pallas_call`` and that callers must know:
 
 * it cannot be differentiated (``jax.grad`` through a kernel fails). Gradient codecs
   are never differentiated in commjax (they act on gradients); a user who
-  differentiates through ``Compressor.roundtrip`` must use ``reference`` mode;
+  differentiates through ``Compressor.roundtrip`` must use the reference;
 * Pallas interpret mode evaluates the kernel body with the plain JAX interpreter,
   which under ``shard_map(check_vma=True)`` rejects the body's constants (they are not
   typed as varying over the manual axes), even for a copy kernel. The TPU interpreter
@@ -37,15 +43,14 @@ Two things JAX does not do with a ``pallas_call`` and that callers must know:
   deadlocked the 8-device CPU collectives of a training step. So in ``interpret`` mode
   a kernel whose inputs *vary* over a manual axis runs the reference instead (same
   bits); invariant inputs (all-gathered payloads) and ``check_vma=False`` run the
-  kernel. Compiled kernels (``auto``/``pallas`` on TPU/GPU) run under both settings:
-  their outputs are typed as varying where their inputs vary (:func:`vary_like`).
+  kernel. Compiled kernels run under both settings: their outputs are typed as varying
+  where their inputs vary (:func:`vary_like`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,53 +58,47 @@ from jax import lax
 
 from commjax import _compat
 
-__all__ = ["MODES", "ENV_VAR", "get_mode", "set_mode", "use_mode", "dispatch", "out_type", "vary_like", "fence"]
+__all__ = [
+    "IMPLS", "ENV_VAR", "VERIFIED_BACKENDS", "check_impl", "resolve_impl", "auto_impl",
+    "dispatch", "out_type", "vary_like", "fence", "interpret_flag",
+]
 
-MODES = ("auto", "pallas", "interpret", "reference")
+IMPLS = ("auto", "pallas", "interpret", "reference")
 ENV_VAR = "COMMJAX_KERNELS"
 
-_override: Optional[str] = None
+#: Backends (``jax.default_backend()`` names) whose compiled kernels have passed the
+#: on-device bit-exactness check: ``auto`` runs the kernels there. None yet.
+VERIFIED_BACKENDS: frozenset = frozenset()
 
 
-def _check_mode(mode: Any, where: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"{where}: kernel mode must be one of {', '.join(map(repr, MODES))}; got {mode!r}.")
-    return mode
+def check_impl(impl: Any, where: str, argument: str = "impl") -> Optional[str]:
+    """``impl`` if it is ``None`` or one of :data:`IMPLS`, else an error naming the
+    argument and the valid values."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(
+            f"{where}: `{argument}` must be None (${ENV_VAR} if set, else 'auto') or one of "
+            f"{', '.join(map(repr, IMPLS))}; got {impl!r}.")
+    return impl
 
 
-def get_mode() -> str:
-    """The mode in force now: :func:`set_mode`'s if set, else ``$COMMJAX_KERNELS``, else ``auto``."""
-    if _override is not None:
-        return _override
+def resolve_impl(impl: Optional[str], where: str, argument: str = "impl") -> str:
+    """``impl`` checked, or (``None``) ``$COMMJAX_KERNELS`` checked, or ``"auto"``."""
+    if check_impl(impl, where, argument) is not None:
+        return impl
     env = os.environ.get(ENV_VAR, "").strip().lower()
     if not env:
         return "auto"
-    return _check_mode(env, f"environment variable {ENV_VAR}")
+    if env not in IMPLS:
+        raise ValueError(
+            f"{where}: environment variable {ENV_VAR}={env!r} is not a kernel implementation; "
+            f"set it to one of {', '.join(map(repr, IMPLS))} or unset it.")
+    return env
 
 
-def set_mode(mode: Optional[str]) -> None:
-    """Force a mode for every later trace (``None``: back to ``$COMMJAX_KERNELS``).
-
-    Clears JAX's trace and compilation caches if the mode in force changes, so that
-    functions traced before are traced again in the new mode.
-    """
-    global _override
-    new = None if mode is None else _check_mode(mode, "commjax.kernels.set_mode")
-    before = get_mode()
-    _override = new
-    if get_mode() != before:
-        jax.clear_caches()
-
-
-@contextlib.contextmanager
-def use_mode(mode: str) -> Iterator[None]:
-    """Context manager: :func:`set_mode` for the duration of a ``with`` block."""
-    previous = _override
-    set_mode(mode)
-    try:
-        yield
-    finally:
-        set_mode(previous)
+def auto_impl(backend: str, verified: frozenset = VERIFIED_BACKENDS) -> str:
+    """What ``"auto"`` runs on ``backend``: ``"pallas"`` where the compiled kernels are
+    verified (``verified``), else ``"reference"`` (CPU, and GPU/TPU until checked)."""
+    return "pallas" if backend in verified else "reference"
 
 
 def _manual_axes(args: Sequence[Any]) -> frozenset:
@@ -158,50 +157,41 @@ def interpret_flag(args: Sequence[Any]) -> Any:
 
 
 def dispatch(
-    name: str,
     reference: Callable[..., Any],
     *,
+    impl: str,
+    args: Sequence[Any],
     tpu: Optional[Callable[..., Any]] = None,
     gpu: Optional[Callable[..., Any]] = None,
     interpret: Optional[Callable[..., Any]] = None,
-    args: Sequence[Any],
     auto: bool = True,
 ) -> Any:
-    """Run kernel ``name`` on ``args`` in the current mode.
+    """Run one kernel on ``args`` with the resolved implementation ``impl``.
 
-    ``reference(*args)`` is the pure-jnp oracle. ``tpu(*args)`` / ``gpu(*args)`` build the
+    ``reference(*args)`` is the pure-jnp oracle. ``tpu(*args)`` / ``gpu(*args)`` run the
     compiled kernel for that platform and ``interpret(*args, interpret=flag)`` the
-    interpret-mode one; ``None`` means this kernel (or this configuration of it) has no
-    such kernel and the reference runs instead, in every mode. ``args`` may hold
-    ``None`` for absent optional operands. ``auto=False``: the ``auto`` mode runs the
-    reference (for kernels that only pay off inside a larger fused kernel).
+    interpret-mode one; ``None`` means there is no such kernel (for this configuration)
+    and the reference runs instead. ``args`` may hold ``None`` for absent optional
+    operands. ``auto=False``: ``"auto"`` runs the reference even on a verified backend
+    (for kernels that only pay off inside a larger fused kernel).
     """
-    mode = get_mode()
-    if mode == "reference":
+    if impl == "auto":
+        impl = auto_impl(jax.default_backend()) if auto else "reference"
+    if impl == "reference" or (impl == "pallas" and tpu is None and gpu is None):
         return reference(*args)
-    if mode == "interpret":
+    if impl == "interpret":
         flag = interpret_flag(args)
         if interpret is None or flag is None:
             return reference(*args)
         return interpret(*args, interpret=flag)
-    tpu_fn = tpu if tpu is not None else reference
-    gpu_fn = gpu if gpu is not None else reference
-    if tpu is None and gpu is None:
-        return reference(*args)
-    if mode == "auto":
-        if not auto:
-            return reference(*args)
-        backend = jax.default_backend()
-        if backend == "tpu":
-            return tpu_fn(*args)
-        if backend != "gpu":
-            return reference(*args)
-        if gpu is None:
-            return reference(*args)
-        return _per_platform(args, cuda=gpu_fn, default=reference)
     # "pallas": the kernel for whichever platform this is lowered for; elsewhere a
     # compiled pallas_call, which JAX refuses to lower on CPU with a clear message.
-    return _per_platform(args, tpu=tpu_fn, cuda=gpu_fn, default=tpu if tpu is not None else gpu)
+    return _per_platform(
+        args,
+        tpu=tpu if tpu is not None else reference,
+        cuda=gpu if gpu is not None else reference,
+        default=tpu if tpu is not None else gpu,
+    )
 
 
 def _per_platform(args: Sequence[Any], **branches: Callable[..., Any]) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from commjax.kernels._dispatch import out_type, vary_like
 
@@ -67,8 +68,6 @@ def row_call(
     out_shape = [out_type((rows, c), dt) for c, dt in out_cols]
     kwargs: dict[str, Any] = {}
     if not interpret:
-        from jax.experimental.pallas import tpu as pltpu
-
         kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel",))
     outs = pl.pallas_call(
         body,

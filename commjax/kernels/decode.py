@@ -14,12 +14,12 @@ in replica order in fp32, starting from zeros exactly like the reducers' loop::
 
     acc = 0;  for r in 0..N-1:  acc = acc + round_fp32(decode(rows[r]))
 
-so that the sum is deterministic and identical on every replica. Each decoded value is
-rounded to fp32 before it is added (:func:`commjax.kernels._dispatch.fence`, in the
-reference and the kernels): left alone, compilers fuse ``acc + l * q`` into a
-multiply-add, and whether they do depends on fusion decisions, which differ between a
-kernel and XLA's graph (seen on CPU: XLA fuses all ``N`` decodes and their sum into one
-loop and contracts some of the products). The kernel reads each
+so that the sum is deterministic and identical on every replica. Every decoded value,
+summed or not, is rounded to fp32 before any later use
+(:func:`commjax.kernels._dispatch.fence`, in the reference and the kernels): left
+alone, a compiler may fuse ``acc + l * q`` (or a caller's ``p + l * q``) into a
+multiply-add, and whether it does depends on what else is fused into the same loop,
+which differs between a kernel and XLA's graph of the reference. The kernel reads each
 payload once (``bits / 8 + 4 / B`` bytes per element and replica) and writes the fp32
 sum once (4 bytes per element), where the reference materialises ``N`` decoded vectors.
 
@@ -36,61 +36,28 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from commjax import packing
+from commjax.kernels import mosaic_gpu
 from commjax.kernels._bits import unpack_tile
-from commjax.kernels._dispatch import dispatch, fence, out_type, vary_like
+from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
 from commjax.kernels._tiling import row_call, tile_rows
+from commjax.kernels.reference import decode_reference, decode_sum_reference, levels_of, row_steps
 
-__all__ = ["decode_rows", "decode_sum", "decode_reference", "decode_sum_reference"]
-
-
-def decode_reference(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
-                     divisor: Optional[int], fenced: bool = False) -> jax.Array:
-    """The pure-jnp oracle: exactly the codecs' ``decode_blocks`` (``fenced``: each value
-    rounded before any later addition, as :func:`decode_sum` needs)."""
-    codes = packing.unpack_codes(rows[:, :-1], bits, block_size)
-    scale = lax.bitcast_convert_type(rows[:, -1], jnp.float32)
-    if step == 1:
-        lv = (codes.astype(jnp.int32) - offset).astype(jnp.float32)
-    else:
-        lv = codes.astype(jnp.float32) * float(step) - float(offset)
-    q = scale[:, None] if divisor is None else (scale / divisor)[:, None]
-    return fence(lv * q, q) if fenced else lv * q
+__all__ = ["decode_rows", "decode_sum"]
 
 
-def decode_sum_reference(rows: jax.Array, **opts: Any) -> jax.Array:
-    """Sum of :func:`decode_reference` over the leading (replica) axis, in order, from zeros."""
-    total = jnp.zeros((rows.shape[1], opts["block_size"]), jnp.float32)
-    for r in range(rows.shape[0]):
-        total = total + decode_reference(rows[r], fenced=True, **opts)
-    return total
-
-
-def row_steps(rows: jax.Array, divisor: Optional[int]) -> jax.Array:
-    """Per-row ``float32[..., 1]`` step ``q = s / divisor`` (``s`` if None), by XLA with the
-    reference's expression: XLA turns a division by a constant into a multiplication by
-    its reciprocal, which a kernel compiler need not do the same way."""
-    scale = lax.bitcast_convert_type(rows[..., -1], jnp.float32)
-    return (scale if divisor is None else scale / divisor)[..., None]
-
-
-def decode_tile(row, q, *, bits: int, block_size: int, offset: int, step: int, fenced: bool = False):
+def decode_tile(row, q, *, bits: int, block_size: int, offset: int, step: int):
     """One tile of rows, as every kernel body computes it (values, not refs): ``q`` is
-    the tile's ``[T, 1]`` slice of :func:`row_steps`."""
-    nw = row.shape[1] - 1
-    codes = unpack_tile(row[:, :nw], bits, block_size)
-    if step == 1:
-        lv = (codes.astype(jnp.int32) - offset).astype(jnp.float32)
-    else:
-        lv = codes.astype(jnp.float32) * float(step) - float(offset)
-    return fence(lv * q, q) if fenced else lv * q
+    the tile's ``[T, 1]`` slice of :func:`~commjax.kernels.reference.row_steps`."""
+    codes = unpack_tile(row[:, :row.shape[1] - 1], bits, block_size)
+    return fence(levels_of(codes, offset=offset, step=step) * q, q)
 
 
 def _decode_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
-    n, r = rows.shape
+    n = rows.shape[0]
     block = opts["block_size"]
     t = tile_rows(n, block, interpret=bool(interpret), tile=tile)
 
@@ -107,8 +74,9 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
     replicas, n, r = rows.shape
     block = opts["block_size"]
     t = tile_rows(n, block, interpret=bool(interpret), tile=tile)
+
     def body(r_ref, q_ref, o_ref):
-        value = decode_tile(r_ref[...], q_ref[...], fenced=True, **opts)
+        value = decode_tile(r_ref[...], q_ref[...], **opts)
         k = pl.program_id(1)
 
         @pl.when(k == 0)
@@ -121,8 +89,6 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
 
     kwargs: dict[str, Any] = {}
     if not interpret:
-        from jax.experimental.pallas import tpu as pltpu
-
         kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
     steps = row_steps(rows, divisor)
     out = pl.pallas_call(
@@ -149,34 +115,38 @@ def _options(bits: int, block_size: int, offset: int, step: int, divisor: Option
 
 
 def decode_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int = 1,
-                divisor: Optional[int] = None, tile: Optional[int] = None) -> jax.Array:
-    """Decode one payload ``uint32[nb, bits * ceil(B/32) + 1] -> float32[nb, B]``."""
+                divisor: Optional[int] = None, tile: Optional[int] = None,
+                impl: Optional[str] = None) -> jax.Array:
+    """Decode one payload ``uint32[nb, bits * ceil(B/32) + 1] -> float32[nb, B]``.
+    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
     opts = _options(bits, block_size, offset, step, divisor)
-    if rows.ndim != 2 or rows.shape[1] != packing.packed_words(block_size, bits) + 1:
-        raise ValueError(f"decode_rows: expected rows of {packing.packed_words(block_size, bits) + 1} "
-                         f"words for bits={bits}, block_size={block_size}; got shape {rows.shape}.")
+    words = packing.packed_words(block_size, bits) + 1
+    if rows.ndim != 2 or rows.shape[1] != words:
+        raise ValueError(f"decode_rows: expected rows of {words} words for bits={bits}, "
+                         f"block_size={block_size}; got shape {rows.shape}.")
+    impl = resolve_impl(impl, "decode_rows")
     reference = functools.partial(decode_reference, **opts)
     if block_size % 32 or rows.shape[0] == 0:
         return reference(rows)
     kernel = functools.partial(_decode_pallas, tile=tile, **opts)
-    from commjax.kernels import mosaic_gpu
-
     gpu = mosaic_gpu.decode_kernel(rows, accumulate=False, **opts)
-    return dispatch("decode", reference, tpu=kernel, gpu=gpu, interpret=kernel, args=(rows,))
+    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel, args=(rows,))
 
 
 def decode_sum(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int = 1,
-               divisor: Optional[int] = None, tile: Optional[int] = None) -> jax.Array:
-    """Decode ``N`` payloads ``uint32[N, nb, R]`` and sum them in replica order: ``float32[nb, B]``."""
+               divisor: Optional[int] = None, tile: Optional[int] = None,
+               impl: Optional[str] = None) -> jax.Array:
+    """Decode ``N`` payloads ``uint32[N, nb, R]`` and sum them in replica order: ``float32[nb, B]``.
+    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
     opts = _options(bits, block_size, offset, step, divisor)
-    if rows.ndim != 3 or rows.shape[2] != packing.packed_words(block_size, bits) + 1:
-        raise ValueError(f"decode_sum: expected [N, num_blocks, {packing.packed_words(block_size, bits) + 1}] "
-                         f"rows for bits={bits}, block_size={block_size}; got shape {rows.shape}.")
+    words = packing.packed_words(block_size, bits) + 1
+    if rows.ndim != 3 or rows.shape[2] != words:
+        raise ValueError(f"decode_sum: expected [N, num_blocks, {words}] rows for bits={bits}, "
+                         f"block_size={block_size}; got shape {rows.shape}.")
+    impl = resolve_impl(impl, "decode_sum")
     reference = functools.partial(decode_sum_reference, **opts)
     if block_size % 32 or rows.shape[1] == 0 or rows.shape[0] == 0:
         return reference(rows)
     kernel = functools.partial(_decode_sum_pallas, tile=tile, **opts)
-    from commjax.kernels import mosaic_gpu
-
     gpu = mosaic_gpu.decode_kernel(rows, accumulate=True, **opts)
-    return dispatch("decode_sum", reference, tpu=kernel, gpu=gpu, interpret=kernel, args=(rows,))
+    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel, args=(rows,))

@@ -10,13 +10,13 @@ Lowerings: Mosaic TPU and interpret mode through a row-tiled ``pallas_call``. Bl
 whose size is not a multiple of 32 (a word straddles the row's padding) use the
 reference on every backend.
 
-In ``auto`` mode these standalone passes use the reference: a separate pass materialises
+With ``impl="auto"`` these standalone passes use the reference: a separate pass materialises
 the codes (4 bytes per element), where XLA fuses the reference's shifts with the
 producer or consumer of the codes. The hot paths are the fused codec kernels of
 :mod:`commjax.kernels.quantize`, :mod:`commjax.kernels.sign` and
 :mod:`commjax.kernels.decode`, which pack and unpack in registers; these two kernels run
-in ``pallas`` and ``interpret`` modes (and serve as their building blocks' tests). They
-have no Mosaic GPU version (the reference runs there in every mode).
+with ``impl="pallas"`` and ``"interpret"`` (and serve as their building blocks' tests). They
+have no Mosaic GPU version (the reference runs there whatever ``impl``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from commjax import packing
 from commjax.kernels._bits import pack_tile, unpack_tile
-from commjax.kernels._dispatch import dispatch
+from commjax.kernels._dispatch import dispatch, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
 
 __all__ = ["pack_codes", "unpack_codes"]
@@ -70,21 +70,27 @@ def _unpack_pallas(words: jax.Array, *, bits: int, block: int, tile: Optional[in
     return out.reshape(lead + (block,))
 
 
-def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None) -> jax.Array:
-    """Kernel-dispatched :func:`commjax.packing.pack_codes`: ``codes[..., B] -> uint32[..., bits * ceil(B/32)]``."""
+def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None,
+               impl: Optional[str] = None) -> jax.Array:
+    """Kernel-dispatched :func:`commjax.packing.pack_codes`: ``codes[..., B] -> uint32[..., bits * ceil(B/32)]``.
+    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
     _check_bits(bits)
+    impl = resolve_impl(impl, "pack_codes")
     reference = functools.partial(packing.pack_codes, bits=bits)
     b = codes.shape[-1]
     rows = math.prod(codes.shape[:-1])
     if b % 32 or rows == 0 or b == 0:
         return reference(codes)
     kernel = functools.partial(_pack_pallas, bits=bits, tile=tile)
-    return dispatch("pack_codes", reference, tpu=kernel, interpret=kernel, args=(codes,), auto=False)
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(codes,), auto=False)
 
 
-def unpack_codes(words: jax.Array, bits: int, block_size: int, *, tile: Optional[int] = None) -> jax.Array:
-    """Kernel-dispatched :func:`commjax.packing.unpack_codes`: ``uint32[..., bits * W] -> uint32[..., block_size]``."""
+def unpack_codes(words: jax.Array, bits: int, block_size: int, *, tile: Optional[int] = None,
+                 impl: Optional[str] = None) -> jax.Array:
+    """Kernel-dispatched :func:`commjax.packing.unpack_codes`: ``uint32[..., bits * W] -> uint32[..., block_size]``.
+    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
     _check_bits(bits)
+    impl = resolve_impl(impl, "unpack_codes")
     reference = functools.partial(packing.unpack_codes, bits=bits, block_size=block_size)
     w = packing.words_per_plane(block_size)
     if words.shape[-1] != bits * w:
@@ -93,4 +99,4 @@ def unpack_codes(words: jax.Array, bits: int, block_size: int, *, tile: Optional
     if block_size % 32 or rows == 0:
         return reference(words)
     kernel = functools.partial(_unpack_pallas, bits=bits, block=block_size, tile=tile)
-    return dispatch("unpack_codes", reference, tpu=kernel, interpret=kernel, args=(words,), auto=False)
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(words,), auto=False)

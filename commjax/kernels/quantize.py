@@ -5,7 +5,7 @@ residual ``e`` and uniform randoms ``u``::
 
     y   = x + e                                    (error feedback, fp32)
     s   = max_i |y_i|                              (the block's scale)
-    q_i = y_i * (L * (1 / s))                      (0 where s = 0)
+    q_i = y_i * (L * (1 / s))                      (0 where s = 0), rounded to fp32
     l_i = clip(floor(q_i + u_i), -L, L)            stochastic rounding, E[l_i] = q_i
         = clip(round_half_even(q_i), -L, L)        without u
     c_i = l_i + L                                  (unsigned code, ``bits`` wide)
@@ -13,18 +13,17 @@ residual ``e`` and uniform randoms ``u``::
     y_hat_i = (c_i - L) * (s / L)                  decoded value, rounded to fp32
     out = y_hat  or  y - y_hat  (the new residual)
 
-``y - y_hat`` is computed from the *rounded* ``y_hat`` (:func:`commjax.kernels._dispatch.fence`
-keeps compilers from fusing the product into a multiply-subtract) in the reference and
-in the kernels alike, so the residual does not depend on fusion decisions.
+``q`` and ``y_hat`` are products that meet a later addition; both are rounded to fp32
+before it (:func:`commjax.kernels._dispatch.fence`) in the reference and in the kernels
+alike, so no compiler's fused multiply-add changes a code or a residual.
 
 ``L = 2**(bits-1) - 1`` for :func:`commjax.quantize` (127, 7, 1 for 8, 4, 2 bits);
 TernGrad is the case ``bits=2, L=1`` with stochastic rounding.
 
 Traffic per element: XLA first reads ``x`` (and ``e``) for the per-block constants
-(:func:`row_constants`), then the kernel reads ``x`` (and ``e``, ``u``: 4 bytes each) and
-writes ``bits / 8 + 4 / B`` bytes of payload plus, if asked, 4 bytes of decoded value or
-residual; the reference (``quantize_reference``, the codec's own jnp code) leaves the
-fusion to XLA.
+(:func:`commjax.kernels.reference.row_constants`), then the kernel reads ``x`` (and
+``e``, ``u``: 4 bytes each) and writes ``bits / 8 + 4 / B`` bytes of payload plus, if
+asked, 4 bytes of decoded value or residual; the reference leaves the fusion to XLA.
 
 Randomness comes in as ``u`` (:func:`commjax.noise.uniform` outside the kernel) so that the
 kernel and the reference see the same noise on every backend; there is no in-kernel
@@ -47,70 +46,24 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import packing
+from commjax.kernels import mosaic_gpu
 from commjax.kernels._bits import pack_tile
-from commjax.kernels._dispatch import dispatch, fence
+from commjax.kernels._dispatch import dispatch, fence, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
+from commjax.kernels.reference import quantize_reference, row_constants
 
-__all__ = ["quantize_blocks", "quantize_reference", "OUTPUTS"]
+__all__ = ["quantize_blocks", "OUTPUTS"]
 
 OUTPUTS = (None, "decoded", "residual")
 
 
-def _safe_recip(s: jax.Array) -> jax.Array:
-    return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
-
-
-def quantize_reference(
-    x: jax.Array,
-    uniforms: Optional[jax.Array],
-    residual: Optional[jax.Array],
-    *,
-    bits: int,
-    levels: int,
-    output: Optional[str],
-) -> tuple[jax.Array, Optional[jax.Array]]:
-    """The pure-jnp oracle: exactly the operations of :class:`commjax.compressors.Quantize`."""
-    if residual is not None:
-        x = x + residual.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=1)
-    q = x * (levels * _safe_recip(scale))[:, None]
-    if uniforms is not None:
-        r = jnp.floor(q + uniforms)
-    else:
-        r = jnp.round(q)
-    lv = jnp.clip(r, -levels, levels)
-    codes = (lv + levels).astype(jnp.uint32)
-    words = packing.pack_codes(codes, bits)
-    scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
-    rows = jnp.concatenate([words, scale_word[:, None]], axis=1)
-    if output is None:
-        return rows, None
-    step = (scale / levels)[:, None]
-    decoded = fence((codes.astype(jnp.int32) - levels).astype(jnp.float32) * step, step)
-    return rows, decoded if output == "decoded" else x - decoded
-
-
-def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: int):
-    """Per-row ``(s, L / s, s / L)`` (``L / s`` is 0 where ``s = 0``), by XLA with the
-    reference's own expressions.
-
-    The kernels take these as inputs instead of dividing themselves: XLA rewrites a
-    division by a constant into a multiplication by its reciprocal (seen on CPU: ``s / 127``
-    is computed as ``s * (1 / 127)``, which differs in the last bit), and a kernel
-    compiler need not do the same, nor round ``1 / s`` the same way. ``max |y|`` itself
-    is exact in any order. Costs one extra read of ``x`` (and ``e``).
-    """
-    y = x if residual is None else x + residual.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(y), axis=1)
-    return scale, levels * _safe_recip(scale), scale / levels
-
-
 def quantize_tile(x, u, e, c, sl, scale_word, *, bits: int, levels: int, output: Optional[str]):
     """One tile of rows, as every kernel body computes it (values, not refs): ``c``,
-    ``sl``, ``scale_word`` are the tile's ``[T, 1]`` slices of :func:`row_constants`."""
+    ``sl``, ``scale_word`` are the tile's ``[T, 1]`` slices of
+    :func:`~commjax.kernels.reference.row_constants`."""
     if e is not None:
         x = x + e.astype(jnp.float32)
-    q = x * c
+    q = fence(x * c, c)
     r = jnp.floor(q + u) if u is not None else jnp.round(q)
     lv = jnp.clip(r, -levels, levels)
     codes = (lv + levels).astype(jnp.int32)
@@ -130,6 +83,7 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
     inputs = ([x] + ([uniforms] if has_u else []) + ([residual] if has_e else [])
               + [c[:, None], scale_word] + ([sl[:, None]] if output is not None else []))
     t = tile_rows(rows, block * (1 + has_u + has_e), interpret=bool(interpret), tile=tile)
+
     def body(*refs):
         refs = list(refs)
         x_ref = refs.pop(0)
@@ -150,33 +104,8 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
     return outs[0], (outs[1] if output is not None else None)
 
 
-def quantize_blocks(
-    x: jax.Array,
-    *,
-    bits: int,
-    levels: Optional[int] = None,
-    uniforms: Optional[jax.Array] = None,
-    residual: Optional[jax.Array] = None,
-    output: Optional[str] = "decoded",
-    tile: Optional[int] = None,
-) -> tuple[jax.Array, Optional[jax.Array]]:
-    """Quantize the rows of ``x: float32[nb, B]`` (see the module docstring for the maths).
-
-    Args:
-      x: one codec block per row.
-      bits: code width (2..16; :func:`commjax.quantize` uses 8, 4, 2).
-      levels: ``L``, at most ``2**(bits-1) - 1`` (the default).
-      uniforms: ``float32[nb, B]`` in ``[0, 1)`` for stochastic rounding; ``None`` rounds
-        to nearest (half to even).
-      residual: optional error-feedback residual ``e`` (``[nb, B]``, any float dtype),
-        added in fp32 before quantization.
-      output: ``"decoded"`` (``y_hat``), ``"residual"`` (``y - y_hat``) or ``None``.
-      tile: rows per grid step (default: chosen per backend).
-
-    Returns:
-      ``(rows, out)``: ``uint32[nb, bits * ceil(B/32) + 1]`` wire rows and the requested
-      ``float32[nb, B]`` output (``None`` if ``output is None``).
-    """
+def _check(x, uniforms, residual, bits, levels, output) -> int:
+    """The arguments of :func:`quantize_blocks` checked; returns ``L``."""
     if not 2 <= bits <= 16:
         raise ValueError(f"quantize_blocks: `bits` must be in [2, 16], got {bits!r}.")
     max_levels = 2 ** (bits - 1) - 1
@@ -190,14 +119,46 @@ def quantize_blocks(
     for name, a in (("uniforms", uniforms), ("residual", residual)):
         if a is not None and a.shape != x.shape:
             raise ValueError(f"quantize_blocks: `{name}` must have x's shape {x.shape}, got {a.shape}.")
+    return levels
+
+
+def quantize_blocks(
+    x: jax.Array,
+    *,
+    bits: int,
+    levels: Optional[int] = None,
+    uniforms: Optional[jax.Array] = None,
+    residual: Optional[jax.Array] = None,
+    output: Optional[str] = "decoded",
+    tile: Optional[int] = None,
+    impl: Optional[str] = None,
+) -> tuple[jax.Array, Optional[jax.Array]]:
+    """Quantize the rows of ``x: float32[nb, B]`` (see the module docstring for the maths).
+
+    Args:
+      x: one codec block per row.
+      bits: code width (2..16; :func:`commjax.quantize` uses 8, 4, 2).
+      levels: ``L``, at most ``2**(bits-1) - 1`` (the default).
+      uniforms: ``float32[nb, B]`` in ``[0, 1)`` for stochastic rounding; ``None`` rounds
+        to nearest (half to even).
+      residual: optional error-feedback residual ``e`` (``[nb, B]``, any float dtype),
+        added in fp32 before quantization.
+      output: ``"decoded"`` (``y_hat``), ``"residual"`` (``y - y_hat``) or ``None``.
+      tile: rows per grid step (default: chosen per backend).
+      impl: ``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``
+        (``$COMMJAX_KERNELS``, else ``"auto"``): see :mod:`commjax.kernels._dispatch`.
+
+    Returns:
+      ``(rows, out)``: ``uint32[nb, bits * ceil(B/32) + 1]`` wire rows and the requested
+      ``float32[nb, B]`` output (``None`` if ``output is None``).
+    """
+    levels = _check(x, uniforms, residual, bits, levels, output)
+    impl = resolve_impl(impl, "quantize_blocks")
     opts = dict(bits=bits, levels=levels, output=output)
     reference = functools.partial(quantize_reference, **opts)
-    rows, block = x.shape
-    if block % 32 or rows == 0:
+    if x.shape[1] % 32 or x.shape[0] == 0:
         return reference(x, uniforms, residual)
     kernel = functools.partial(_pallas, tile=tile, **opts)
-    from commjax.kernels import mosaic_gpu
-
     gpu = mosaic_gpu.quantize_kernel(x, uniforms, residual, **opts)
-    return dispatch("quantize", reference, tpu=kernel, gpu=gpu, interpret=kernel,
+    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel,
                     args=(x, uniforms, residual))

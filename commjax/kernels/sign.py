@@ -13,7 +13,7 @@ Bit-exactness: ``s`` is a floating-point *sum*, whose last bit depends on the or
 the additions, and XLA's own order for a row reduction depends on the shape of the whole
 array (seen on CPU: the same row sums differently in an array of 17 rows and in one of 8).
 No kernel can promise XLA's order, so the scales are computed by XLA, with the
-reference's own expression ``jnp.mean(jnp.abs(y), axis=1)``, and handed to the kernel,
+reference's own expression (:func:`commjax.kernels.reference.row_scales`), and handed to the kernel,
 which fuses everything else. Traffic: the scale pass reads ``y``'s inputs (4 bytes per
 element, 8 with ``e``), the kernel reads them again and writes ``1/8 + 4/B`` bytes of
 payload plus 4 bytes of decoded value or residual if asked; the reference's unfused
@@ -34,42 +34,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import packing
+from commjax.kernels import mosaic_gpu
 from commjax.kernels._bits import pack_tile
-from commjax.kernels._dispatch import dispatch
+from commjax.kernels._dispatch import dispatch, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
+from commjax.kernels.reference import row_scales, sign_reference
 
-__all__ = ["sign_blocks", "sign_reference"]
+__all__ = ["sign_blocks"]
 
 _OUTPUTS = (None, "decoded", "residual")
 
 
-def sign_reference(
-    x: jax.Array, residual: Optional[jax.Array], *, output: Optional[str]
-) -> tuple[jax.Array, Optional[jax.Array]]:
-    """The pure-jnp oracle: exactly the operations of :class:`commjax.compressors.Sign`."""
-    if residual is not None:
-        x = x + residual.astype(jnp.float32)
-    scale = jnp.mean(jnp.abs(x), axis=1)
-    bits = (x >= 0).astype(jnp.uint32)
-    words = packing.pack_codes(bits, 1)
-    scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
-    rows = jnp.concatenate([words, scale_word[:, None]], axis=1)
-    if output is None:
-        return rows, None
-    decoded = (bits.astype(jnp.float32) * 2.0 - 1.0) * scale[:, None]
-    return rows, decoded if output == "decoded" else x - decoded
-
-
-def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
-    """``float32[nb, 1]``: each row's ``mean |x + e|``, by XLA, exactly as the reference."""
-    if residual is not None:
-        x = x + residual.astype(jnp.float32)
-    return jnp.mean(jnp.abs(x), axis=1)[:, None]
-
-
 def sign_tile(x, e, scale, *, output: Optional[str]):
     """One tile of rows, as every kernel body computes it (values, not refs);
-    ``scale`` is the tile's ``float32[T, 1]`` slice of :func:`row_scales`."""
+    ``scale`` is the tile's ``float32[T, 1]`` slice of
+    :func:`~commjax.kernels.reference.row_scales`."""
     if e is not None:
         x = x + e.astype(jnp.float32)
     bits = (x >= 0).astype(jnp.uint32)
@@ -110,11 +89,13 @@ def sign_blocks(
     residual: Optional[jax.Array] = None,
     output: Optional[str] = "decoded",
     tile: Optional[int] = None,
+    impl: Optional[str] = None,
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """Scaled-sign encode the rows of ``x: float32[nb, B]`` (maths in the module docstring).
 
     Returns ``(rows, out)``: ``uint32[nb, ceil(B/32) + 1]`` wire rows and the requested
     ``float32[nb, B]`` output (``output``: ``"decoded"``, ``"residual"`` or ``None``).
+    ``impl``: as for :func:`commjax.kernels.quantize_blocks`.
     """
     if output not in _OUTPUTS:
         raise ValueError(f"sign_blocks: `output` must be one of {_OUTPUTS}, got {output!r}.")
@@ -122,12 +103,10 @@ def sign_blocks(
         raise ValueError(f"sign_blocks: `x` must be [num_blocks, block_size], got shape {x.shape}.")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"sign_blocks: `residual` must have x's shape {x.shape}, got {residual.shape}.")
+    impl = resolve_impl(impl, "sign_blocks")
     reference = functools.partial(sign_reference, output=output)
-    rows, block = x.shape
-    if block % 32 or rows == 0:
+    if x.shape[1] % 32 or x.shape[0] == 0:
         return reference(x, residual)
     kernel = functools.partial(_pallas, output=output, tile=tile)
-    from commjax.kernels import mosaic_gpu
-
     gpu = mosaic_gpu.sign_kernel(x, residual, output=output)
-    return dispatch("sign", reference, tpu=kernel, gpu=gpu, interpret=kernel, args=(x, residual))
+    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel, args=(x, residual))

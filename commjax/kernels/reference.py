@@ -1,0 +1,155 @@
+"""The pure-jnp references of the codec kernels, and the per-row constants every
+implementation takes from XLA.
+
+Each kernel of :mod:`commjax.kernels` computes the same bits as its reference here; the
+references are the codecs' own arithmetic and the oracle of the tests. This module is
+the one both the Pallas kernels (:mod:`commjax.kernels.quantize`, ``sign``, ``decode``)
+and the Mosaic GPU kernels (:mod:`commjax.kernels.mosaic_gpu`) import, so that neither
+imports the other's module.
+
+Rounding rules shared by every implementation (why: XLA's CPU backend, LLVM and kernel
+compilers each decide for themselves whether to contract ``a * b + c`` into one fused
+multiply-add, and the decision depends on everything else fused into the same loop):
+
+* every product that meets a later addition goes through :func:`fence` first, so it is
+  rounded to fp32 in every implementation and whatever the fusion: the quantizer's
+  ``q = y * (L / s)`` before ``+ u``, and every decoded value ``l * step`` before it
+  is subtracted (the residual), summed (``decode_sum``) or handed to the caller;
+* per-row constants (``L / s``, ``s / L``, ``mean |y|``) are computed by XLA with one
+  expression (:func:`row_constants`, :func:`row_scales`, :func:`row_steps`) and passed
+  to the kernels: XLA rewrites a division by a constant as a multiplication by its
+  reciprocal, and a row sum's order depends on the whole array's shape, which no
+  kernel can reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import packing
+from commjax.kernels._dispatch import fence
+
+__all__ = [
+    "safe_recip",
+    "row_constants",
+    "quantize_reference",
+    "row_scales",
+    "sign_reference",
+    "row_steps",
+    "decode_reference",
+    "decode_sum_reference",
+]
+
+
+def safe_recip(s: jax.Array) -> jax.Array:
+    """``1 / s``, and 0 where ``s == 0`` (an all-zero block)."""
+    return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: int):
+    """Per-row ``(s, L / s, s / L)`` of ``y = x + e`` (``L / s`` is 0 where ``s = 0``).
+
+    ``max |y|`` is exact in any order; the two quotients are XLA's. Kernels take them as
+    inputs (one extra read of ``x`` and ``e``) rather than dividing themselves.
+    """
+    y = x if residual is None else x + residual.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(y), axis=1)
+    return scale, levels * safe_recip(scale), scale / levels
+
+
+def quantize_reference(
+    x: jax.Array,
+    uniforms: Optional[jax.Array],
+    residual: Optional[jax.Array],
+    *,
+    bits: int,
+    levels: int,
+    output: Optional[str],
+) -> tuple[jax.Array, Optional[jax.Array]]:
+    """Blockwise absmax quantization of the rows of ``x`` (maths in
+    :mod:`commjax.kernels.quantize`): ``(rows, decoded | residual | None)``."""
+    if residual is not None:
+        x = x + residual.astype(jnp.float32)
+    scale, c, step = row_constants(x, None, levels=levels)
+    c = c[:, None]
+    q = fence(x * c, c)
+    r = jnp.floor(q + uniforms) if uniforms is not None else jnp.round(q)
+    lv = jnp.clip(r, -levels, levels)
+    codes = (lv + levels).astype(jnp.uint32)
+    words = packing.pack_codes(codes, bits)
+    scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+    rows = jnp.concatenate([words, scale_word[:, None]], axis=1)
+    if output is None:
+        return rows, None
+    step = step[:, None]
+    decoded = fence((codes.astype(jnp.int32) - levels).astype(jnp.float32) * step, step)
+    return rows, decoded if output == "decoded" else x - decoded
+
+
+# --------------------------------------------------------------------------- sign
+
+
+def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
+    """``float32[nb, 1]``: each row's ``mean |x + e|``, XLA's reduction."""
+    if residual is not None:
+        x = x + residual.astype(jnp.float32)
+    return jnp.mean(jnp.abs(x), axis=1)[:, None]
+
+
+def sign_reference(
+    x: jax.Array, residual: Optional[jax.Array], *, output: Optional[str]
+) -> tuple[jax.Array, Optional[jax.Array]]:
+    """Scaled sign of the rows of ``x`` (maths in :mod:`commjax.kernels.sign`).
+
+    ``(2 b - 1) * s`` is ``+-s`` exactly, so the decoded value needs no fence."""
+    if residual is not None:
+        x = x + residual.astype(jnp.float32)
+    scale = row_scales(x, None)
+    bits = (x >= 0).astype(jnp.uint32)
+    words = packing.pack_codes(bits, 1)
+    rows = jnp.concatenate([words, lax.bitcast_convert_type(scale, jnp.uint32)], axis=1)
+    if output is None:
+        return rows, None
+    decoded = (bits.astype(jnp.float32) * 2.0 - 1.0) * scale
+    return rows, decoded if output == "decoded" else x - decoded
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def row_steps(rows: jax.Array, divisor: Optional[int]) -> jax.Array:
+    """Per-row ``float32[..., 1]`` step ``s / divisor`` (``s`` when ``divisor`` is None)
+    of wire rows ``[... | bitcast_u32(s)]``, XLA's quotient."""
+    scale = lax.bitcast_convert_type(rows[..., -1], jnp.float32)
+    return (scale if divisor is None else scale / divisor)[..., None]
+
+
+def levels_of(codes: jax.Array, *, offset: int, step: int) -> jax.Array:
+    """Signed levels as fp32: ``c - offset`` (step 1) or ``2 c - 1`` (step 2, sign)."""
+    if step == 1:
+        return (codes.astype(jnp.int32) - offset).astype(jnp.float32)
+    return codes.astype(jnp.float32) * float(step) - float(offset)
+
+
+def decode_reference(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
+                     divisor: Optional[int]) -> jax.Array:
+    """``uint32[nb, R] -> float32[nb, B]``: ``fence(l * (s / divisor))`` per element."""
+    codes = packing.unpack_codes(rows[:, :-1], bits, block_size)
+    q = row_steps(rows, divisor)
+    return fence(levels_of(codes, offset=offset, step=step) * q, q)
+
+
+def decode_sum_reference(rows: jax.Array, **opts: Any) -> jax.Array:
+    """Sum of :func:`decode_reference` over the leading (replica) axis, in order, from
+    fp32 zeros."""
+    total = jnp.zeros((rows.shape[1], opts["block_size"]), jnp.float32)
+    for r in range(rows.shape[0]):
+        total = total + decode_reference(rows[r], **opts)
+    return total
