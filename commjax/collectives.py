@@ -615,6 +615,9 @@ class AllReduce(Reducer):
         if not codec.linear:
             return ("its payload is not linear (summing quantized codes is wrong, and psum on "
                     "small integers wraps around)")
+        if codec.linear_payload_bytes(2) < 8:
+            return ("a 16-bit sum loses precision at every addition (and XLA on CPU sends it "
+                    "widened to fp32); 'two_phase' sends the same 16-bit words and sums in fp32")
         return None
 
     def bytes(self, codec, n, num_replicas, segments=None):
@@ -849,7 +852,7 @@ def choose_reducer(codec: Compressor, reducer: Any, n: int, num_replicas: int,
     """Resolve ``"auto"`` to the valid reducer that sends the fewest bytes (``None`` for one
     replica). Ties go to the more exact: an fp32 all-reduce (no re-encoding), then the
     all-gather (one encoding), then two-phase (two). A 16-bit linear payload is never
-    summed by ``psum`` under ``"auto"`` (two-phase sums it in fp32)."""
+    summed by ``psum`` (:class:`AllReduce` refuses it; two-phase sums it in fp32)."""
     check_reducer(codec, reducer)
     if num_replicas <= 1:
         return None
@@ -864,8 +867,6 @@ def choose_reducer(codec: Compressor, reducer: Any, n: int, num_replicas: int,
             continue
         if name == "two_phase" and not isinstance(codec, BlockCompressor):
             continue  # a second selection on the owner: opt-in (reducer="two_phase")
-        if name == "allreduce" and codec.linear_payload_bytes(2) < 8:
-            continue  # 16-bit sums lose precision (and XLA on CPU widens them to fp32)
         options.append((obj.bytes(codec, n, num_replicas, segments), rank, name))
     return _REDUCER_OBJECTS[min(options)[2]]
 

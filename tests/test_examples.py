@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib import image
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -49,6 +50,13 @@ def run_example(args: list, cache_dir: Path, *, timeout: float = 300) -> subproc
     return proc
 
 
+def is_figure(path: Path) -> bool:
+    """A PNG that decodes to an image of at least 300 x 200 pixels with more than one colour
+    (a plot, not an empty canvas)."""
+    img = image.imread(path)
+    return img.ndim == 3 and img.shape[0] >= 200 and img.shape[1] >= 300 and float(np.std(img)) > 0.01
+
+
 def decreased(losses) -> bool:
     losses = np.asarray(losses, np.float64)
     k = max(1, len(losses) // 5)
@@ -79,10 +87,14 @@ def test_digits_cnn(tmp_path, cache_dir):
     assert len(r["losses"]) == 30 and decreased(r["losses"])
     assert r["replicas_in_sync"] is True
     assert r["hlo_bytes_per_step"] == pytest.approx(r["bytes_per_step"], rel=1e-6)
-    assert 0.0 <= r["final_eval"] <= 1.0 and r["compression_ratio"] > 3
+    assert 0.0 <= r["final_eval"] <= 1.0
+    # 8-bit codes + one fp32 scale per 256: at most 32 / 8.125 over the exact mean, less the
+    # share of small leaves averaged exactly.
+    assert 3.0 < r["compression_ratio"] <= 32 / 8.125
+    assert r["compression_ratio"] == pytest.approx(r["baseline_bytes_per_step"] / r["bytes_per_step"])
     assert "test accuracy" in proc.stdout and "bytes/step/device" in proc.stdout
     assert "it/s" in proc.stderr or "s/it" in proc.stderr  # the tqdm progress bar
-    assert (tmp_path / "digits_cnn.png").stat().st_size > 5000
+    assert is_figure(tmp_path / "digits_cnn.png")
 
 
 def test_char_transformer_and_bit_identical_resume(tmp_path, cache_dir):
@@ -223,4 +235,4 @@ def test_demo_small(tmp_path, cache_dir):
     exact, bf16 = out["runs"]
     assert exact["gap_to_exact"] == 0.0 and abs(bf16["gap_to_exact"]) < 0.02
     assert bf16["compression_ratio"] == pytest.approx(2.0, rel=0.02)
-    assert "gap to exact" in proc.stdout and (tmp_path / "demo.png").stat().st_size > 5000
+    assert "gap to exact" in proc.stdout and is_figure(tmp_path / "demo.png")

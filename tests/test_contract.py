@@ -1,0 +1,215 @@
+"""The contract every communicating transform keeps, checked on one matrix.
+
+Every compressor through every reducer that can carry it (``compressed_mean``), and every
+optimizer (DGC, 1-bit Adam/LAMB, DiLoCo exact and compressed, ZeRO), goes through the
+same checks, as optax tests all its optimizers in one file:
+
+* called where its axis is not bound, it raises :class:`commjax.AxisNotBoundError` with
+  the ``shard_map`` fix;
+* after steps on non-i.i.d. gradients, every replica holds bit-identical parameters;
+* a NaN in one replica's gradient makes that leaf's update NaN on *every* replica, and
+  leaves the state finite (residuals unpoisoned); the next clean step continues, still
+  bit-identical across replicas;
+* its state lays out for ``shard_map`` (per-replica leaves tiled over the axis) and
+  round-trips through :class:`commjax.checkpoint.Checkpointer` bit for bit;
+* for ``compressed_mean``, the compiled HLO sends exactly the bytes of its plan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import commjax as cj
+from commjax import _compat
+from commjax.checkpoint import Checkpointer
+from commjax.testing import ready, same_bits, update_collectives
+
+N = 8
+AX = "data"
+MIN = 256  # compress every leaf of at least this many elements
+
+CODECS = {
+    "identity": cj.identity(),
+    "cast": cj.cast(jnp.bfloat16),
+    "q8": cj.quantize(8),
+    "q4": cj.quantize(4, block_size=64),
+    "q2": cj.quantize(2),
+    "qsgd": cj.qsgd(),
+    "terngrad": cj.terngrad(),
+    "sign": cj.sign(),
+    "hadamard_q4": cj.hadamard(cj.quantize(4)),
+    "top_k": cj.top_k(0.1),
+    "threshold": cj.threshold(1e-3, 64),
+    "random_k": cj.random_k(0.1),
+    "powersgd": cj.powersgd(2),
+}
+
+
+def _mean_case(codec, reducer):
+    return lambda: optax.chain(cj.compressed_mean(codec, AX, reducer=reducer, min_compress_size=MIN),
+                               optax.sgd(0.05))
+
+
+def _cases() -> dict:
+    out = {}
+    for name, codec in CODECS.items():
+        reducers = ["auto"] + [r for r in cj.reducers_for(codec) if r in cj.REDUCERS]
+        if codec.has_exchange or codec.shared_randomness:
+            reducers = ["auto"]
+        for r in reducers:
+            out[f"mean-{name}-{r}"] = _mean_case(codec, r)
+    q4, q8 = cj.quantize(4), cj.quantize(8, stochastic=False)
+    out.update({
+        "dgc": lambda: cj.dgc(0.05, ratio=0.05, min_compress_size=MIN),
+        "onebit_adam": lambda: cj.onebit_adam(1e-3, warmup_steps=2, min_compress_size=MIN),
+        "onebit_lamb": lambda: cj.onebit_lamb(1e-3, warmup_steps=2, min_compress_size=MIN),
+        "diloco": lambda: cj.diloco(optax.sgd(0.05), optax.sgd(0.7), sync_every=2),
+        "diloco_q4": lambda: cj.diloco(optax.sgd(0.05), optax.sgd(0.7), sync_every=2, compressor=q4),
+        "zero_q4": lambda: cj.zero(optax.adam(1e-3), AX, grad_codec=q4, weight_codec=q8,
+                                   min_compress_size=MIN),
+    })
+    return out
+
+
+CASES = _cases()
+MEAN_CASES = sorted(k for k in CASES if k.startswith("mean-"))
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w": jax.random.normal(k1, (48, 40)) * 0.1, "v": jax.random.normal(k2, (24, 32)) * 0.1,
+            "b": jnp.zeros((40,))}
+
+
+def _grads(step: int, nan_at=None):
+    """Per-replica gradients ``[N, ...]``: replica ``r`` sees its own offset (non-i.i.d.)."""
+    out = {}
+    for i, (k, p) in enumerate(sorted(_params().items())):
+        key = jax.random.fold_in(jax.random.PRNGKey(100 + i), step)
+        g = np.asarray(jax.random.normal(key, (N,) + p.shape)) + np.arange(N).reshape((N,) + (1,) * p.ndim)
+        out[k] = g.astype(np.float32)
+    if nan_at is not None:
+        out["w"][nan_at, 3, 5] = np.nan
+    return out
+
+
+@pytest.fixture(scope="module")
+def steppers(mesh):
+    """One compiled step per case: per-replica params and gradients in, per-replica params,
+    updates and the state out (``check_vma=True``)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            tx = CASES[name]()
+            state = cj.init_sharded(tx, _params(), mesh, AX)
+            specs = cj.state_specs(state, AX)
+
+            def step(p, s, g):
+                p1, g1 = (jax.tree_util.tree_map(lambda a: a[0], t) for t in (p, g))
+                u, s = tx.update(g1, s, p1)
+                new = optax.apply_updates(p1, u)
+                return jax.tree_util.tree_map(lambda a: a[None], (new, u)) + (s,)
+
+            f = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(AX), specs, P(AX)),
+                                          out_specs=(P(AX), P(AX), specs)))
+            cache[name] = (tx, f, state)
+        return cache[name]
+
+    return get
+
+
+def _placed(mesh, tree):
+    return jax.device_put(tree, NamedSharding(mesh, P(AX)))
+
+
+def _identical(tree) -> bool:
+    return all(bool(np.all(np.asarray(l) == np.asarray(l)[:1])) for l in jax.tree_util.tree_leaves(tree))
+
+
+def _finite_floats(tree) -> bool:
+    return all(bool(np.all(np.isfinite(np.asarray(l)))) for l in jax.tree_util.tree_leaves(tree)
+               if jnp.issubdtype(np.asarray(l).dtype, jnp.floating))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_unbound_axis_names_the_fix(name):
+    tx = CASES[name]()
+    params = _params()
+    state = tx.init(params)
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    with pytest.raises(cj.AxisNotBoundError, match="shard_map"):
+        tx.update(grads, state, params)
+
+
+def _agree(name: str, t: int, params) -> bool:
+    """Whether the replicas' parameters agree as ``name`` promises after step ``t``: bit for
+    bit, except DiLoCo, whose replicas meet at the syncs (every second step here) on the
+    replicated anchor up to half an ulp of each term of ``p + (theta - p)``."""
+    if not name.startswith("diloco"):
+        return _identical(params)
+    if (t + 1) % 2:
+        return True
+    return all(np.allclose(np.asarray(l), np.asarray(l)[:1], rtol=2 ** -22, atol=2 ** -22)
+               for l in jax.tree_util.tree_leaves(params))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replicas_identical_and_nan_reaches_every_replica(mesh, steppers, name):
+    tx, f, state = steppers(name)
+    params = _placed(mesh, jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params()))
+    for t in range(3):
+        params, u, state = ready(*f(params, state, _placed(mesh, _grads(t))))
+        assert _agree(name, t, params), f"step {t}: replicas drifted"
+        assert _finite_floats(u), f"step {t}"
+    # NaN in one replica's `w` (step 3 is a DiLoCo sync): NaN on every replica, state finite.
+    _, u_bad, state_bad = ready(*f(params, state, _placed(mesh, _grads(3, nan_at=5))))
+    assert np.all(np.isnan(np.asarray(u_bad["w"]))), "the NaN did not reach every replica"
+    assert _finite_floats(state_bad), "the state was poisoned"
+    # The NaN step is skipped (as optax.apply_if_finite would); training goes on.
+    for t in (4, 5):
+        params, u, state = ready(*f(params, state_bad if t == 4 else state, _placed(mesh, _grads(t))))
+        assert _finite_floats(u) and _agree(name, t, params)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_state_layout_and_checkpoint_round_trip(mesh, steppers, name, tmp_path):
+    tx, f, state = steppers(name)
+    params = _placed(mesh, jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params()))
+    _, _, state = ready(*f(params, state, _placed(mesh, _grads(0))))
+    local = tx.init(_params())
+    for leaf, marked, spec in zip(jax.tree_util.tree_leaves(state),
+                                  jax.tree_util.tree_leaves(cj.per_replica_mask(state)),
+                                  jax.tree_util.tree_leaves(cj.state_specs(state, AX),
+                                                            is_leaf=lambda x: isinstance(x, P))):
+        assert spec == (P(AX) if marked else P())
+        if marked and leaf.size:
+            assert leaf.shape[0] % N == 0
+    if True:  # the global per-replica leaves are N local ones side by side
+        for g, l, m in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(local),
+                           jax.tree_util.tree_leaves(cj.per_replica_mask(state))):
+            if m and l.size:
+                assert g.shape == (N * l.shape[0],) + tuple(l.shape[1:])
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, {"opt": state})
+    back = ckpt.restore({"opt": state})["opt"]
+    assert same_bits(back, state)
+
+
+@pytest.mark.parametrize("name", MEAN_CASES)
+def test_hlo_bytes_equal_the_plan(name):
+    codec = CODECS[name.split("-")[1]]
+    reducer = name.split("-")[2]
+    params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _params())
+    tx = cj.compressed_mean(codec, AX, reducer=reducer, min_compress_size=MIN)
+    rep = update_collectives(tx, params, N)
+    plan = cj.communication_plan(codec, params, N, reducer=reducer, min_compress_size=MIN)
+    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, abs=0.5), rep.table()
+    # No integer payload is ever summed (psum on small integers wraps around).
+    for c in rep.of_kind("all-reduce"):
+        assert all(d.startswith("f") for d in c.dtypes), c
