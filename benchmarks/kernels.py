@@ -1,8 +1,8 @@
 """Kernel benchmark and on-device bit-exactness check for :mod:`commjax.kernels`.
 
 Benchmark (default): for each size (elements, 1M..256M by default; ``--max-size`` to
-limit) times every kernel in ``pallas`` mode and its pure-jnp reference in ``reference``
-mode, plus a device-to-device copy of the same number of bytes, each the median of
+limit) times every kernel with ``impl="pallas"`` (``--impl``) and its pure-jnp reference
+(``impl="reference"``), plus a device-to-device copy of the same number of bytes, each the median of
 ``--repeats`` device-synchronised runs after ``--warmup`` runs. Prints the achieved
 bandwidth (the bytes the operation must move, divided by the time) and its fraction of
 the copy's, and writes everything as JSON.
@@ -17,22 +17,24 @@ Bytes an operation must move, per element, for blocks of ``B`` (``--block``):
   one replica receives in the two-phase reducer): reads ``1/2 + 4/B`` per payload
   element, writes 4 per output element.
 
-``--check`` instead runs every kernel in ``pallas`` mode against ``reference`` mode on
-random inputs at awkward sizes and reports, per kernel, whether the outputs are the same
-bits (and if not, how many values and by how many ulps they differ). Both modes run on
+``--check`` instead runs every kernel with ``impl="pallas"`` against ``impl="reference"``
+on random inputs at awkward sizes and reports, per kernel, whether the outputs are the
+same bits (and if not, how many values and by how many ulps they differ). Both run on
 the same device, so this is the check that the compiled kernels (Mosaic GPU, Mosaic TPU)
-agree with XLA's compilation of the reference there.
+agree with XLA's compilation of the reference there: the check a backend must pass
+before it joins ``commjax.kernels.VERIFIED_BACKENDS`` (where ``auto`` runs the kernels).
 
 Usage::
 
     python benchmarks/kernels.py --max-size 16M --out benchmarks/results/kernels_gpu.json
     python benchmarks/kernels.py --check --out benchmarks/results/kernels_check_gpu.json
-    python benchmarks/kernels.py --mode interpret --max-size 1M --repeats 3   # CPU smoke run
+    python benchmarks/kernels.py --impl interpret --max-size 1M --repeats 3   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -47,8 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import commjax as cj  # noqa: E402
-from commjax import kernels  # noqa: E402
+from commjax import kernels, packing  # noqa: E402
 
 
 def parse_size(text: str) -> int:
@@ -70,7 +71,7 @@ def timed(fn: Callable[..., Any], args: tuple, *, repeats: int, warmup: int) -> 
 
 
 def make_ops(n: int, block: int, replicas: int, key: jax.Array) -> dict:
-    """name -> (function, args, bytes moved)."""
+    """name -> (function of (impl, *args), args, bytes moved)."""
     nb = n // block
     kx, ku, ke, kr = jax.random.split(key, 4)
     x = jax.random.normal(kx, (nb, block), jnp.float32)
@@ -80,19 +81,21 @@ def make_ops(n: int, block: int, replicas: int, key: jax.Array) -> dict:
     ops = {}
     for bits in (8, 4, 2):
         ops[f"quantize{bits}_ef"] = (
-            lambda x, u, e, b=bits: kernels.quantize_blocks(x, bits=b, uniforms=u, residual=e, output="residual"),
+            lambda impl, x, u, e, b=bits: kernels.quantize_blocks(x, bits=b, uniforms=u, residual=e,
+                                                                  output="residual", impl=impl),
             (x, u, e), n * (16 + bits / 8 + per_scale))
-    ops["quantize4"] = (lambda x, u: kernels.quantize_blocks(x, bits=4, uniforms=u, output=None)[0],
+    ops["quantize4"] = (lambda impl, x, u: kernels.quantize_blocks(x, bits=4, uniforms=u, output=None, impl=impl)[0],
                         (x, u), n * (8 + 0.5 + per_scale))
-    ops["sign_ef"] = (lambda x, e: kernels.sign_blocks(x, residual=e, output="residual"),
+    ops["sign_ef"] = (lambda impl, x, e: kernels.sign_blocks(x, residual=e, output="residual", impl=impl),
                       (x, e), n * (12 + 1 / 8 + per_scale))
     chunk_blocks = max(nb // replicas, 1)
-    comp = cj.quantize(bits=4, block_size=block)
-    rows = jax.random.bits(kr, (replicas, chunk_blocks, comp.row_words), jnp.uint32)
+    row_words = packing.packed_words(block, 4) + 1
+    rows = jax.random.bits(kr, (replicas, chunk_blocks, row_words), jnp.uint32)
     rows = rows.at[:, :, -1].set(jax.lax.bitcast_convert_type(
         jnp.abs(jax.random.normal(kr, (replicas, chunk_blocks))), jnp.uint32))
     m = chunk_blocks * block
-    ops["decode_sum4"] = (lambda r: kernels.decode_sum(r, bits=4, block_size=block, offset=7, divisor=7),
+    ops["decode_sum4"] = (lambda impl, r: kernels.decode_sum(r, bits=4, block_size=block, offset=7, divisor=7,
+                                                              impl=impl),
                           (rows,), replicas * m * (0.5 + per_scale) + 4 * m)
     return ops
 
@@ -117,14 +120,12 @@ def benchmark(args) -> dict:
             copy = jax.jit(lambda a: a + jnp.uint32(1))
             row["copy_s"] = timed(copy, (src,), repeats=args.repeats, warmup=args.warmup)
             del src
-            for label, mode in (("kernel", args.mode), ("reference", "reference")):
-                with kernels.use_mode(mode):
-                    f = jax.jit(lambda *a, fn=fn: fn(*a))
-                    try:
-                        row[f"{label}_s"] = timed(f, fargs, repeats=args.repeats, warmup=args.warmup)
-                    except Exception as exc:  # report and go on with the other kernels
-                        row[f"{label}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                        continue
+            for label, impl in (("kernel", args.impl), ("reference", "reference")):
+                f = jax.jit(functools.partial(fn, impl))
+                try:
+                    row[f"{label}_s"] = timed(f, fargs, repeats=args.repeats, warmup=args.warmup)
+                except Exception as exc:  # report and go on with the other kernels
+                    row[f"{label}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             copy_bw = nbytes / row["copy_s"]
             row["copy_GBps"] = copy_bw / 1e9
             for label in ("kernel", "reference"):
@@ -170,12 +171,13 @@ def check(args) -> dict:
             for stochastic in (True, False):
                 for output in (None, "decoded", "residual"):
                     fns[f"quantize{bits}{'_sr' if stochastic else ''}_{output}"] = (
-                        lambda x, u, e, b=bits, s=stochastic, o=output: kernels.quantize_blocks(
-                            x, bits=b, uniforms=u if s else None, residual=e if o == "residual" else None, output=o),
+                        lambda impl, x, u, e, b=bits, s=stochastic, o=output: kernels.quantize_blocks(
+                            x, bits=b, uniforms=u if s else None, residual=e if o == "residual" else None,
+                            output=o, impl=impl),
                         (x, u, e))
         for output in (None, "decoded", "residual"):
-            fns[f"sign_{output}"] = (lambda x, e, o=output: kernels.sign_blocks(
-                x, residual=e if o == "residual" else None, output=o), (x, e))
+            fns[f"sign_{output}"] = (lambda impl, x, e, o=output: kernels.sign_blocks(
+                x, residual=e if o == "residual" else None, output=o, impl=impl), (x, e))
         for codec, (bits, offset, step, divisor) in {
             "quantize8": (8, 127, 1, 127), "quantize4": (4, 7, 1, 7), "quantize2": (2, 1, 1, 1),
             "qsgd16": (6, 16, 1, 16), "terngrad": (2, 1, 1, None), "sign": (1, 1, 2, None),
@@ -185,19 +187,18 @@ def check(args) -> dict:
             scale = (np.abs(rng.standard_normal((8, nb, 1))) * 10.0 ** rng.uniform(-4, 4, (8, nb, 1))).astype(np.float32)
             rows = jnp.asarray(np.concatenate([words, scale.view(np.uint32)], axis=2))
             opts = dict(bits=bits, block_size=block, offset=offset, step=step, divisor=divisor)
-            fns[f"decode_{codec}"] = (lambda r, o=opts: kernels.decode_rows(r[0], **o), (rows,))
-            fns[f"decode_sum_{codec}"] = (lambda r, o=opts: kernels.decode_sum(r, **o), (rows,))
+            fns[f"decode_{codec}"] = (lambda impl, r, o=opts: kernels.decode_rows(r[0], impl=impl, **o), (rows,))
+            fns[f"decode_sum_{codec}"] = (lambda impl, r, o=opts: kernels.decode_sum(r, impl=impl, **o), (rows,))
         for name, (fn, fargs) in fns.items():
             res = {}
             row = {"kernel": name, "elements": n, "block": block}
-            for mode in (args.mode, "reference"):
-                with kernels.use_mode(mode):
-                    try:
-                        res[mode] = jax.tree_util.tree_map(np.asarray, jax.jit(lambda *a, fn=fn: fn(*a))(*fargs))
-                    except Exception as exc:
-                        row[f"{mode}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            for impl in (args.impl, "reference"):
+                try:
+                    res[impl] = jax.tree_util.tree_map(np.asarray, jax.jit(functools.partial(fn, impl))(*fargs))
+                except Exception as exc:
+                    row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             if len(res) == 2:
-                got = jax.tree_util.tree_leaves(res[args.mode])
+                got = jax.tree_util.tree_leaves(res[args.impl])
                 ref = jax.tree_util.tree_leaves(res["reference"])
                 diffs = [int((g.view(np.uint32) != r.view(np.uint32)).sum()) if g.itemsize == 4 else int((g != r).sum())
                          for g, r in zip(got, ref)]
@@ -217,8 +218,8 @@ def check(args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="bit-exactness check instead of the benchmark")
-    p.add_argument("--mode", default="pallas", choices=("pallas", "interpret", "auto"),
-                   help="kernel mode to compare with the reference (default pallas)")
+    p.add_argument("--impl", default="pallas", choices=("pallas", "interpret", "auto"),
+                   help="kernel implementation to compare with the reference (default pallas)")
     p.add_argument("--min-size", default="1M")
     p.add_argument("--max-size", default="256M")
     p.add_argument("--block", type=int, default=256)
@@ -230,14 +231,14 @@ def main() -> int:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<platform>.json)")
     args = p.parse_args()
     backend = jax.default_backend()
-    if backend == "cpu" and args.mode == "pallas":
-        p.error("compiled Pallas kernels need a GPU or TPU; on CPU pass --mode interpret (slow, small sizes)")
+    if backend == "cpu" and args.impl == "pallas":
+        p.error("compiled Pallas kernels need a GPU or TPU; on CPU pass --impl interpret (slow, small sizes)")
     info = {
         "platform": backend,
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "mode": args.mode,
+        "impl": args.impl,
         "block": args.block,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
