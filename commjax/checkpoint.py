@@ -184,7 +184,6 @@ class Checkpointer:
           FileNotFoundError: no checkpoint (or not that ``step``) in the directory.
           CheckpointMismatchError: ``like`` has other paths, shapes or dtypes.
         """
-        ocp = _ocp()
         step = self._resolve(step)
         meta = self.metadata(step)
         if meta.get("format") != _FORMAT:
@@ -193,77 +192,38 @@ class Checkpointer:
                 f"(format {meta.get('format')!r})."
             )
         paths, leaves, treedef = _flatten(like)
-        saved_paths = list(meta["paths"])
-        if paths != saved_paths:
-            first = next((i for i, (a, b) in enumerate(zip(paths, saved_paths)) if a != b),
-                         min(len(paths), len(saved_paths)))
-            got = paths[first] if first < len(paths) else "<end>"
-            want = saved_paths[first] if first < len(saved_paths) else "<end>"
-            raise CheckpointMismatchError(
-                f"Checkpointer.restore: `like` does not match checkpoint step {step}: it has "
-                f"{len(paths)} leaves, the checkpoint {len(saved_paths)}; first difference at "
-                f"leaf {first}: template {got!r} vs checkpoint {want!r}. Build `like` the way "
-                "the saved tree was built (same model, optimizer and transforms)."
-            )
+        _check_paths(paths, list(meta["paths"]), step)
         typed = meta.get("typed_keys", {})
-        empty = meta.get("empty", {})
-        targets: dict[str, Any] = {}
+        targets = _targets(paths, leaves, typed)
+        out = _empty_leaves(targets, meta.get("empty", {}), paths)
+        out.update(self._read(step, targets))
+        restored = []
         for i, leaf in enumerate(leaves):
             name = _leaf_name(i)
-            if _is_typed_key(leaf):
-                data = jax.random.key_data(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else None
-                if data is None:
-                    raise CheckpointMismatchError("Checkpointer.restore: give concrete typed keys in `like`.")
-                leaf = data
-            elif name in typed:
+            value = out[name]
+            want = tuple(np.shape(jax.random.key_data(leaf) if _is_typed_key(leaf) else leaf))
+            if tuple(np.shape(value)) != want:
                 raise CheckpointMismatchError(
-                    f"Checkpointer.restore: leaf {paths[i]} was saved as a typed PRNG key but the "
-                    "template holds a plain array."
-                )
-            if isinstance(leaf, jax.ShapeDtypeStruct):
-                targets[name] = leaf
-            elif isinstance(leaf, jax.Array):
-                targets[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-            else:
-                targets[name] = np.asarray(leaf)
-        out: dict[str, Any] = {}
-        for name, (shape, dtype) in empty.items():
-            target = targets.pop(name)
-            if tuple(np.shape(target)) != tuple(shape):
-                raise CheckpointMismatchError(
-                    f"Checkpointer.restore: leaf {paths[int(name.split('_')[1])]} has shape "
-                    f"{tuple(shape)} in the checkpoint but {tuple(np.shape(target))} in the template."
-                )
-            sharding = getattr(target, "sharding", None)
-            if sharding is not None:
-                out[name] = jax.device_put(jnp.zeros(shape, dtype), sharding)
-            else:
-                out[name] = np.zeros(shape, dtype)
+                    f"Checkpointer.restore: leaf {paths[i]} has shape {np.shape(value)} in the "
+                    f"checkpoint but {want} in the template.")
+            if name in typed:
+                value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
+            restored.append(value)
+        return jax.tree_util.tree_unflatten(treedef, restored)
+
+    def _read(self, step: int, targets: dict) -> dict:
+        """The non-empty leaves of checkpoint ``step``, placed as ``targets`` say."""
+        if not targets:
+            return {}
+        ocp = _ocp()
         try:
-            if targets:
-                out.update(self._manager.restore(
-                    step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(targets)})
-                )[_STATE])
+            return self._manager.restore(
+                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(targets)}))[_STATE]
         except ValueError as e:
             raise CheckpointMismatchError(
                 f"Checkpointer.restore: the template's shapes or dtypes do not match checkpoint "
                 f"step {step} ({e})."
             ) from e
-        restored = []
-        for i, leaf in enumerate(leaves):
-            name = _leaf_name(i)
-            value = out[name]
-            want_shape = tuple(np.shape(leaves[i] if not _is_typed_key(leaves[i])
-                                        else jax.random.key_data(leaves[i])))
-            if tuple(np.shape(value)) != want_shape:
-                raise CheckpointMismatchError(
-                    f"Checkpointer.restore: leaf {paths[i]} has shape {np.shape(value)} in the "
-                    f"checkpoint but {want_shape} in the template."
-                )
-            if name in typed:
-                value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
-            restored.append(value)
-        return jax.tree_util.tree_unflatten(treedef, restored)
 
     def wait_until_finished(self) -> None:
         """Block until every pending (asynchronous) save is on disk."""
@@ -310,3 +270,58 @@ def latest_step(directory: str | os.PathLike) -> Optional[int]:
         return None
     with Checkpointer(directory) as c:
         return c.latest_step()
+
+
+def _check_paths(paths: list, saved_paths: list, step: int) -> None:
+    """The template's leaf paths must be the checkpoint's: name the first difference."""
+    if paths == saved_paths:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(paths, saved_paths)) if a != b),
+                 min(len(paths), len(saved_paths)))
+    got = paths[first] if first < len(paths) else "<end>"
+    want = saved_paths[first] if first < len(saved_paths) else "<end>"
+    raise CheckpointMismatchError(
+        f"Checkpointer.restore: `like` does not match checkpoint step {step}: it has "
+        f"{len(paths)} leaves, the checkpoint {len(saved_paths)}; first difference at "
+        f"leaf {first}: template {got!r} vs checkpoint {want!r}. Build `like` the way "
+        "the saved tree was built (same model, optimizer and transforms)."
+    )
+
+
+def _targets(paths: list, leaves: list, typed: dict) -> dict:
+    """What each leaf is restored as: the template's shape, dtype and sharding (typed keys
+    as their raw data), numpy leaves as numpy."""
+    targets: dict[str, Any] = {}
+    for i, leaf in enumerate(leaves):
+        name = _leaf_name(i)
+        if _is_typed_key(leaf):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise CheckpointMismatchError("Checkpointer.restore: give concrete typed keys in `like`.")
+            leaf = jax.random.key_data(leaf)
+        elif name in typed:
+            raise CheckpointMismatchError(
+                f"Checkpointer.restore: leaf {paths[i]} was saved as a typed PRNG key but the "
+                "template holds a plain array.")
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            targets[name] = leaf
+        elif isinstance(leaf, jax.Array):
+            targets[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+        else:
+            targets[name] = np.asarray(leaf)
+    return targets
+
+
+def _empty_leaves(targets: dict, empty: dict, paths: list) -> dict:
+    """Zero-size leaves (orbax writes none): rebuilt from the checkpoint's record of their
+    shapes, placed like the template's (removed from ``targets``)."""
+    out: dict[str, Any] = {}
+    for name, (shape, dtype) in empty.items():
+        target = targets.pop(name)
+        if tuple(np.shape(target)) != tuple(shape):
+            raise CheckpointMismatchError(
+                f"Checkpointer.restore: leaf {paths[int(name.split('_')[1])]} has shape "
+                f"{tuple(shape)} in the checkpoint but {tuple(np.shape(target))} in the template.")
+        sharding = getattr(target, "sharding", None)
+        out[name] = (jax.device_put(jnp.zeros(shape, dtype), sharding) if sharding is not None
+                     else np.zeros(shape, dtype))
+    return out

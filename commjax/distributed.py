@@ -290,6 +290,25 @@ def _supported_kwargs(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+def _check_initialize_args(coordinator_address: str, num_processes: int, process_id: int,
+                           local_devices: int | None) -> None:
+    """The arguments of :func:`initialize`, each checked with its name in the message."""
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id must be an int in [0, {num_processes}), got {process_id!r}"
+        )
+    if local_devices is not None and (not isinstance(local_devices, int) or local_devices < 1):
+        raise ValueError(f"local_devices must be an int >= 1, got {local_devices!r}")
+    if num_processes > 1:
+        host, sep, port = coordinator_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(
+                f"coordinator_address must look like 'host:port', got {coordinator_address!r}"
+            )
+
+
 def initialize(
     coordinator_address: str,
     num_processes: int,
@@ -330,20 +349,7 @@ def initialize(
       RuntimeError: if a JAX backend is already initialised, or on a second call.
     """
     global _INITIALIZED_BY_US
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
-    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"process_id must be an int in [0, {num_processes}), got {process_id!r}"
-        )
-    if local_devices is not None and (not isinstance(local_devices, int) or local_devices < 1):
-        raise ValueError(f"local_devices must be an int >= 1, got {local_devices!r}")
-    if num_processes > 1:
-        host, sep, port = coordinator_address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(
-                f"coordinator_address must look like 'host:port', got {coordinator_address!r}"
-            )
+    _check_initialize_args(coordinator_address, num_processes, process_id, local_devices)
     if _INITIALIZED_BY_US:
         raise RuntimeError("commjax.distributed.initialize() was already called in this process")
     if _backends_initialized():

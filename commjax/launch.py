@@ -299,95 +299,103 @@ def launch(
     if grace < 0:
         raise ValueError(f"grace must be >= 0 seconds, got {grace!r}")
     argv = _argv(script_or_argv, python or sys.executable) + [os.fspath(a) for a in args]
-    coordinator = f"127.0.0.1:{free_port()}"
-    out_sink = (stdout or sys.stdout) if stream else None
-    err_sink = (stderr or sys.stderr) if stream else None
-    lock = threading.Lock()
+    job = _Job(grace, (stdout or sys.stdout) if stream else None,
+               (stderr or sys.stderr) if stream else None)
+    try:
+        job.start(argv, processes, devices_per_process, interface=interface, env=env, cwd=cwd)
+        job.watch(None if timeout is None else job.begin + timeout, kill_on_failure)
+    except BaseException:  # KeyboardInterrupt, SIGTERM-as-exception, spawn errors
+        job.stop(range(len(job.procs)))
+        raise
+    finally:
+        job.join_pumps()
+    return job.result()
 
-    procs: list[subprocess.Popen] = []
-    pumps: list[tuple[_Pump, _Pump]] = []
-    start = time.monotonic()
-    deadline = None if timeout is None else start + timeout
-    failed: int | None = None
-    timed_out = False
-    terminated: list[int] = []
 
-    def stop_all(reason_ids: Sequence[int]) -> None:
-        alive = [i for i in reason_ids if procs[i].poll() is None]
-        terminated.extend(i for i in alive if i not in terminated)
+class _Job:
+    """The children of one :func:`launch`: started, watched, stopped, reported."""
+
+    def __init__(self, grace: float, out_sink: TextIO | None, err_sink: TextIO | None):
+        self.grace, self.out_sink, self.err_sink = grace, out_sink, err_sink
+        self.lock = threading.Lock()
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[tuple[_Pump, _Pump]] = []
+        self.begin = time.monotonic()
+        self.failed: int | None = None
+        self.timed_out = False
+        self.terminated: list[int] = []
+
+    def start(self, argv, processes, devices_per_process, *, interface, env, cwd) -> None:
+        coordinator = f"127.0.0.1:{free_port()}"
+        for i in range(processes):
+            proc = subprocess.Popen(
+                argv, env=child_env(i, processes, devices_per_process, coordinator,
+                                    interface=interface, extra=env),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=cwd, start_new_session=True,
+            )
+            self.procs.append(proc)
+            pair = (_Pump(proc.stdout, f"[p{i}] ", self.out_sink, self.lock),  # type: ignore[arg-type]
+                    _Pump(proc.stderr, f"[p{i}] ", self.err_sink, self.lock))  # type: ignore[arg-type]
+            for p in pair:
+                p.start()
+            self.pumps.append(pair)
+
+    def watch(self, deadline: float | None, kill_on_failure: bool) -> None:
+        """Poll until every child exited, one failed (then stop the others, if asked), or
+        the deadline passed (then stop every child)."""
+        everyone = range(len(self.procs))
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if self.failed is None:
+                # Report the first failure; among simultaneous ones, the lowest id.
+                self.failed = next((i for i, rc in enumerate(codes) if rc not in (None, 0)), None)
+                if self.failed is not None and kill_on_failure:
+                    self.stop(everyone)
+                    return
+            if all(rc is not None for rc in codes):
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                self.timed_out = True
+                self.stop(everyone)
+                return
+            time.sleep(0.05)
+
+    def stop(self, ids: Sequence[int]) -> None:
+        """SIGTERM the live children among ``ids``, SIGKILL them after the grace period."""
+        alive = [i for i in ids if self.procs[i].poll() is None]
+        self.terminated.extend(i for i in alive if i not in self.terminated)
         for i in alive:
-            _signal_group(procs[i], signal.SIGTERM)
-        end = time.monotonic() + grace
-        while time.monotonic() < end and any(procs[i].poll() is None for i in alive):
+            _signal_group(self.procs[i], signal.SIGTERM)
+        end = time.monotonic() + self.grace
+        while time.monotonic() < end and any(self.procs[i].poll() is None for i in alive):
             time.sleep(0.05)
         for i in alive:
-            if procs[i].poll() is None:
-                _signal_group(procs[i], signal.SIGKILL)
+            if self.procs[i].poll() is None:
+                _signal_group(self.procs[i], signal.SIGKILL)
         for i in alive:
             try:
-                procs[i].wait(timeout=10)
+                self.procs[i].wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
                 pass
 
-    try:
-        for i in range(processes):
-            proc = subprocess.Popen(
-                argv,
-                env=child_env(i, processes, devices_per_process, coordinator,
-                              interface=interface, extra=env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                start_new_session=True,
-            )
-            procs.append(proc)
-            pair = (
-                _Pump(proc.stdout, f"[p{i}] ", out_sink, lock),  # type: ignore[arg-type]
-                _Pump(proc.stderr, f"[p{i}] ", err_sink, lock),  # type: ignore[arg-type]
-            )
-            for p in pair:
-                p.start()
-            pumps.append(pair)
-
-        while True:
-            codes = [p.poll() for p in procs]
-            if failed is None:
-                for i, rc in enumerate(codes):
-                    if rc is not None and rc != 0:
-                        failed = i
-                        break
-                if failed is not None and kill_on_failure:
-                    # Report the first failure; among simultaneous ones, the lowest id.
-                    stop_all(range(processes))
-                    break
-            if all(rc is not None for rc in codes):
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                timed_out = True
-                stop_all(range(processes))
-                break
-            time.sleep(0.05)
-    except BaseException:  # KeyboardInterrupt, SIGTERM-as-exception, spawn errors
-        stop_all(range(len(procs)))
-        raise
-    finally:
+    def join_pumps(self) -> None:
         # Children of children may still hold the pipes: never wait forever on them.
-        for pair in pumps:
+        for pair in self.pumps:
             for p in pair:
                 p.join(timeout=5)
 
-    elapsed = time.monotonic() - start
-    return LaunchResult(
-        returncodes=[p.returncode for p in procs],
-        stdout=["\n".join(o.lines) for o, _ in pumps],
-        stderr=["\n".join(e.lines) for _, e in pumps],
-        failed_process=failed,
-        timed_out=timed_out,
-        terminated=sorted(terminated),
-        elapsed=elapsed,
-        pids=[p.pid for p in procs],
-    )
+    def result(self) -> LaunchResult:
+        return LaunchResult(
+            returncodes=[p.returncode for p in self.procs],
+            stdout=["\n".join(o.lines) for o, _ in self.pumps],
+            stderr=["\n".join(e.lines) for _, e in self.pumps],
+            failed_process=self.failed,
+            timed_out=self.timed_out,
+            terminated=sorted(self.terminated),
+            elapsed=time.monotonic() - self.begin,
+            pids=[p.pid for p in self.procs],
+        )
 
 
 def _parser() -> argparse.ArgumentParser:

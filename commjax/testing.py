@@ -119,27 +119,10 @@ class TrainResult:
         return all(bool(np.all(np.asarray(l) == np.asarray(l)[:1])) for l in leaves)
 
 
-def train(
-    tx: optax.GradientTransformation,
-    task: Task,
-    steps: int,
-    *,
-    axis_name: str = "data",
-    check_vma: bool = True,
-    use_pmap: bool = False,
-    log_every: int = 1,
-    devices: Optional[list] = None,
-) -> TrainResult:
-    """Full-batch data-parallel training of ``task`` with ``tx`` for ``steps`` steps.
-
-    Each replica differentiates the loss on its own data and hands the per-replica
-    gradient to ``tx`` (which must contain a commjax transform over ``axis_name``).
-    Parameters are kept per replica, so replicas drift apart if ``tx`` lets them.
-    """
+def _compiled_step(tx, task: Task, devices, axis_name, check_vma: bool, use_pmap: bool):
+    """:func:`train`'s step under ``pmap`` or ``shard_map``, with its inputs laid out:
+    ``(step, params, opt_state, x, y)``."""
     n = task.num_replicas
-    devices = devices if devices is not None else jax.devices()[:n]
-    if len(devices) < n:
-        raise ValueError(f"train: the task has {n} replicas but only {len(devices)} devices")
     stacked = jax.tree_util.tree_map(lambda p: jnp.broadcast_to(p, (n,) + p.shape), task.params)
     opt_state = tx.init(task.params)
     loss_fn = task.loss
@@ -171,7 +154,33 @@ def train(
         shard = NamedSharding(mesh, P(axis_name))
         params = jax.device_put(stacked, shard)
         x, y = jax.device_put(task.x, shard), jax.device_put(task.y, shard)
+    return step, params, opt_state, x, y
 
+
+
+def train(
+    tx: optax.GradientTransformation,
+    task: Task,
+    steps: int,
+    *,
+    axis_name: str = "data",
+    check_vma: bool = True,
+    use_pmap: bool = False,
+    log_every: int = 1,
+    devices: Optional[list] = None,
+) -> TrainResult:
+    """Full-batch data-parallel training of ``task`` with ``tx`` for ``steps`` steps.
+
+    Each replica differentiates the loss on its own data and hands the per-replica
+    gradient to ``tx`` (which must contain a commjax transform over ``axis_name``).
+    Parameters are kept per replica, so replicas drift apart if ``tx`` lets them.
+    """
+    n = task.num_replicas
+    devices = devices if devices is not None else jax.devices()[:n]
+    if len(devices) < n:
+        raise ValueError(f"train: the task has {n} replicas but only {len(devices)} devices")
+    step, params, opt_state, x, y = _compiled_step(tx, task, devices, axis_name, check_vma, use_pmap)
+    loss_fn = task.loss
     eval_loss = jax.jit(lambda p: loss_fn(p, task.x.reshape(-1, task.x.shape[-1]), task.y.reshape(-1)))
     losses = []
     for t in range(steps):
