@@ -276,7 +276,10 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
         if comp is not None and cfg.axis_name is not None and n_rep == 1:
             m = _compat.psum(m, cfg.axis_name)  # no reducer ran: a free psum types it replicated
         if cfg.check_finite:
-            m = jnp.where(bad[k], jnp.nan, m)
+            # An addition, not a select: a select between the decode and the optimizer's
+            # `p - lr * m` changes whether the compiler contracts them into a multiply-add,
+            # differently for differently fused (kernel / reference) decodes.
+            m = m + jnp.where(bad[k], jnp.nan, 0.0)
         out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
     new_residual = state.residual
     if comp is not None and comp.residuals:

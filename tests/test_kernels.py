@@ -382,10 +382,6 @@ def _codec_per_layer(impl):
     return optax.chain(tx, optax.sgd(0.1)), label
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs commjax/transform.py::_finish_leaves to poison a non-finite leaf's mean with "
-    "`m = m + jnp.where(bad[k], jnp.nan, 0.0)` instead of `jnp.where(bad[k], jnp.nan, m)`: "
-    "the select lets LLVM contract the caller's `p - lr * m` in one mode and not the other"))
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_training_bit_identical_across_modes(check_vma):
     """A short data-parallel run (8 replicas, the default reducer: fused encode with error
