@@ -25,6 +25,7 @@ Writes ``benchmarks/results/sharded.json`` (with the command line) and ``sharded
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -223,6 +224,7 @@ def plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     runs = result["convergence"]["runs"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), dpi=110)
@@ -239,6 +241,8 @@ def plot(result: dict, path: str) -> None:
     ax1.set_ylim(top=min(ax1.get_ylim()[1], 3.5))
     ax1.legend(fontsize=7)
     ax2.set_xscale("log")
+    ax2.xaxis.set_minor_formatter(NullFormatter())
+    ax2.xaxis.set_major_formatter(ScalarFormatter())
     ax2.set(xlabel="bytes per step per device on the slow axis (HLO, MB; two-level: the 2-wide axis)",
             ylabel=f"held-out loss after {result['args']['steps']} steps", title="loss vs bytes")
     for ax in (ax1, ax2):
@@ -269,7 +273,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-train", action="store_true", help="bytes only")
     ap.add_argument("--no-bytes", action="store_true", help="convergence only")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "sharded.json"))
+    ap.add_argument("--replot", action="store_true",
+                    help="recompute the ratios, targets and PNG of the JSON at --out (no training)")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.out) as f:
+            finish(json.load(f), args.out)
+        return 0
     cfgs = configs(args.block)
     names = [c for c in args.configs.split(",") if c] or list(cfgs)
     unknown = [c for c in names if c not in cfgs]
@@ -285,16 +295,32 @@ def main(argv=None) -> int:
         model = _charlm.make_model(d_model=args.d_model, layers=args.layers, heads=4,
                                    seq_len=args.seq_len, seed=args.seed)
         runs = {name: train_one(name, cfgs[name][1], model, corpus, args) for name in names}
-        base = runs["exact"]["final_eval"]
-        for r in runs.values():
-            r["gap_vs_exact"] = (r["final_eval"] - base) / base
-            r["slow_axis_ratio_vs_exact"] = runs["exact"]["slow_axis_bytes_per_step"] / r["slow_axis_bytes_per_step"]
         result["convergence"] = {"params": _charlm.num_params(model[1]), "runs": runs}
-        plot(result, os.path.splitext(args.out)[0] + ".png")
-    result["targets"] = targets(result)
-    print_summary(result)
-    write_results(args.out, result)
+    finish(result, args.out)
     return 0
+
+
+def derive(result: dict) -> None:
+    """Gaps and ratios against the baselines (two-level runs' slow-axis bytes against
+    exact two-level ZeRO when it ran), and the targets, in place."""
+    runs = result.get("convergence", {}).get("runs", {})
+    if runs:
+        base = runs["exact"]
+        for name, r in runs.items():
+            two = "two_level" in name and "exact_two_level" in runs
+            slow_base = runs["exact_two_level"] if two else base
+            r["gap_vs_exact"] = (r["final_eval"] - base["final_eval"]) / base["final_eval"]
+            r["bytes_ratio_vs_exact"] = base["hlo_bytes_per_step"] / r["hlo_bytes_per_step"]
+            r["slow_axis_ratio_vs_exact"] = slow_base["slow_axis_bytes_per_step"] / r["slow_axis_bytes_per_step"]
+    result["targets"] = targets(result)
+
+
+def finish(result: dict, out: str) -> None:
+    derive(result)
+    if result.get("convergence"):
+        plot(result, os.path.splitext(out)[0] + ".png")
+    print_summary(result)
+    write_results(out, result)
 
 
 def targets(result: dict) -> list:
@@ -340,7 +366,9 @@ def print_summary(result: dict) -> None:
         print_bytes(result)
     runs = result.get("convergence", {}).get("runs", {})
     if runs:
-        print(f"\n{'config':22s} {'held-out':>9s} {'gap':>8s} {'train':>7s} {'KB/step':>9s} "
+        print(f"\nafter {result['args']['steps']} steps (slow x: exact / this on the slow axis; "
+              "two-level runs against exact two-level when it ran)")
+        print(f"{'config':22s} {'held-out':>9s} {'gap':>8s} {'train':>7s} {'KB/step':>9s} "
               f"{'slow KB':>8s} {'slow x':>7s} in-sync")
         for name, r in runs.items():
             print(f"{name:22s} {r['final_eval']:9.4f} {100 * r['gap_vs_exact']:+7.2f}% {r['final_train']:7.4f} "
