@@ -16,7 +16,7 @@ from commjax import _compat
 from commjax.accounting import collective_bytes
 from commjax.compressors.base import Segment
 from commjax.compressors.exact import identity
-from commjax.compressors.sparse import random_k, threshold, top_k
+from commjax.compressors.sparse import exact_top_k, random_k, threshold, top_k
 from commjax.layout import shard_state, state_specs
 from commjax.plan import communication_plan
 from commjax.testing import flat_residual, noniid_classification, train
@@ -468,3 +468,19 @@ def test_topk_error_feedback_converges_near_exact_mean():
     assert gap < 0.20, (ef.final_loss, exact.final_loss)
     assert ef.final_loss < noef.final_loss - 0.1
     assert ef.final_loss < task.global_loss(task.params) - 0.5  # it did learn
+
+
+@pytest.mark.parametrize("kind", ["normal", "hot_rows", "ties"])
+def test_two_stage_top_k_is_lax_top_k(kind):
+    """The two-stage selection of long domains returns exactly lax.top_k's positions, in its
+    order, including when one sub-row holds more than its candidates (the fallback) and
+    among ties (the lower position first)."""
+    rng = np.random.default_rng(3)
+    v = np.abs(rng.standard_normal((2, 300_001))).astype(np.float32)
+    if kind == "hot_rows":
+        v[:, 5000:9000] *= 100.0  # 4000 of the top 3000 in four sub-rows
+    if kind == "ties":
+        v = np.round(v * 4)
+    got = np.asarray(jax.jit(exact_top_k, static_argnums=1)(jnp.asarray(v), 3001))
+    want = np.asarray(jax.lax.top_k(jnp.asarray(v), 3001)[1])
+    np.testing.assert_array_equal(got, want)

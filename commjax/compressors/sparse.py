@@ -160,6 +160,36 @@ def _scatter(n: int, positions: list[jax.Array], values: list[jax.Array]) -> jax
     # adding zeros there is harmless, so this is a scatter-add.
     return out.at[pos].add(val, mode="drop")
 
+#: Row width of the two-stage exact top-k, and the smallest domain it is used for.
+_ROW = 1024
+_TWO_STAGE_MIN = 1 << 16
+
+
+def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
+    """``lax.top_k(mag, k)[1]`` (positions of the ``k`` largest of each row of ``[R, m]``,
+    largest first, the lower position first among equals), without sorting long rows.
+
+    A long row is cut into sub-rows of :data:`_ROW` elements; each offers its ``c`` largest
+    as candidates (``lax.top_k`` on short rows), and the ``k`` largest candidates are
+    chosen among them. That is exact unless some sub-row's last (``c``-th) candidate is
+    itself chosen (the sub-row might hold more of the top ``k``): then the whole row goes
+    through ``lax.top_k`` instead, under ``lax.cond``. Candidates keep row-major order, so
+    ties break toward the lower position exactly as ``lax.top_k`` does.
+    """
+    rows, m = mag.shape
+    if m < _TWO_STAGE_MIN or k * 8 > m:
+        return lax.top_k(mag, k)[1].astype(jnp.int32)
+    sub = -(-m // _ROW)
+    c = min(_ROW, max(16, 4 * -(-k // sub)))
+    padded = jnp.pad(mag, ((0, 0), (0, sub * _ROW - m)), constant_values=-1.0)
+    cand_val, cand_idx = lax.top_k(padded.reshape(rows, sub, _ROW), c)  # [R, sub, c]
+    _, pick = lax.top_k(cand_val.reshape(rows, sub * c), k)  # [R, k] into candidates
+    pos = (jnp.arange(sub, dtype=jnp.int32)[:, None] * _ROW + cand_idx.astype(jnp.int32)).reshape(rows, -1)
+    idx = jnp.take_along_axis(pos, pick, axis=1)
+    exact = jnp.all(pick % c != c - 1)
+    return lax.cond(exact, lambda: idx, lambda: lax.top_k(mag, k)[1].astype(jnp.int32))
+
+
 
 # ------------------------------------------------------------------------------- top-k
 
@@ -224,7 +254,7 @@ class TopK(Compressor):
             if self.approximate:
                 _, idx = lax.approx_max_k(mag, g.k, recall_target=self.recall_target)
             else:
-                _, idx = lax.top_k(mag, g.k)
+                idx = exact_top_k(mag, g.k)
             idx = idx.astype(jnp.int32)
             out.append((jnp.take_along_axis(xs, idx, axis=1), idx))
         return out
