@@ -24,7 +24,9 @@ from commjax.compressors import (
     threshold,
     top_k,
 )
+from commjax.accumulate import accumulate
 from commjax.layout import (
+    infer_per_replica,
     init_sharded,
     per_replica_mask,
     pmap_state,
@@ -40,6 +42,7 @@ from commjax.optimizers.zero import ZeroState, zero_wire_bytes
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.collectives import REDUCERS, valid_reducers as reducers_for
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
+from commjax.step import DataParallel, TrainState, data_parallel
 
 __version__ = "0.1.0"
 
@@ -53,5 +56,6 @@ __all__ = [
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
-    "init_sharded", "collectives",
+    "init_sharded", "infer_per_replica", "collectives",
+    "data_parallel", "DataParallel", "TrainState", "accumulate",
 ]

@@ -4,19 +4,30 @@ Optimizer state has two kinds of leaves:
 
 * **replicated** leaves (step counters, PRNG keys, PowerSGD's Q, the inner optimizer's
   moments): identical on every replica; ``PartitionSpec()`` under ``shard_map``;
-* **per-replica** leaves (error-feedback residuals): each replica owns its own value.
-  Inside the update a per-replica leaf has its local shape ``[a, ...]``; outside, the
-  replicas' values are concatenated along axis 0 into a global ``[N * a, ...]`` array
-  with ``PartitionSpec(axis_name)``.
+* **per-replica** leaves (error-feedback residuals, gradient accumulators): each replica
+  owns its own value. Inside the update a per-replica leaf has its local shape
+  ``[a, ...]``; outside, the replicas' values are concatenated along axis 0 into a global
+  ``[N * a, ...]`` array with ``PartitionSpec(axis_name)``.
 
-State classes declare their per-replica fields with :func:`per_replica`, so the helpers
-here lay out any state, including optax chains that contain commjax transforms::
+Which leaves are per replica is found by **tracing** ``tx.init`` and ``tx.update`` under
+``shard_map`` (:func:`infer_per_replica`): a leaf that the update computes from this
+replica's gradients without a collective that makes it identical everywhere varies over
+the axis, and so is per replica (:mod:`commjax.varying`). That holds for any optax
+transform, wrapper or chain (``optax.MultiSteps``, ``optax.inject_hyperparams``,
+``flax.nnx.Optimizer``'s state, third-party ones) with nothing to register::
 
-    opt_state = cj.shard_state(tx.init(params), mesh, "data")     # global arrays
-    specs = cj.state_specs(opt_state, "data")                       # for in/out_specs
+    opt_state = cj.init_sharded(tx, params, mesh, "data")   # traced, placed, global
+    specs = cj.state_specs(opt_state, "data")                 # read back from the placement
     step = jax.jit(jax.shard_map(train_step, mesh=mesh,
                                  in_specs=(P(), specs, P("data")),
                                  out_specs=(P(), specs)))
+
+A state that is already placed on a mesh (by :func:`init_sharded`, :func:`shard_state`
+or a step's outputs) carries its layout in its shardings, and :func:`state_specs` and
+:func:`per_replica_mask` read it from there. Only a bare local state with no
+transform to trace (``cj.shard_state(tx.init(params), mesh, axis)``) falls back to the
+fields that commjax's own state classes declare per replica (:func:`per_replica`);
+pass ``tx=`` and ``params=`` to :func:`shard_state` to trace instead.
 
 Under ``pmap`` every leaf gets a leading device axis instead (:func:`pmap_state`).
 """
@@ -31,8 +42,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commjax import _compat
+from commjax.varying import trace_varying
 
 __all__ = [
+    "infer_per_replica",
+    "trace_update",
+    "carry_layout",
+    "place",
+    "specs_from_mask",
     "per_replica",
     "per_replica_mask",
     "state_specs",
@@ -81,14 +98,60 @@ def _map_marked(fn: Callable[[Any, bool], Any], tree: Any, marked: bool = False)
     return jax.tree_util.tree_unflatten(node, [_map_marked(fn, c, marked) for c in children])
 
 
-def per_replica_mask(state: Any) -> Any:
-    """A pytree of bools shaped like ``state``: True where the leaf is per-replica."""
-    return _map_marked(lambda leaf, m: m, state)
+def _placed_spec(leaf: Any) -> Optional[P]:
+    """The ``PartitionSpec`` of a leaf placed on a mesh, None for any other leaf."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def _first_axis(spec: P) -> Any:
+    return spec[0] if len(spec) else None
+
+
+def _reads_placement(state: Any, axis_name: Any) -> bool:
+    """Whether the shardings of ``state`` tell its layout: with ``axis_name`` given, always
+    (for its placed leaves); without, only if some placed leaf is replicated (a ``pmap``
+    state puts *every* leaf on its device axis, which says nothing about replication)."""
+    if axis_name is not None:
+        return True
+    specs = [_placed_spec(l) for l in jax.tree_util.tree_leaves(state)]
+    return any(s is not None and _first_axis(s) is None for s in specs)
+
+
+def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
+    """A pytree of bools shaped like ``state``: True where the leaf is per replica.
+
+    Leaves placed on a mesh answer from their sharding (sharded over the axis along
+    dimension 0: per replica; ``P()``: replicated), whatever transform made them. Other
+    leaves (a local state fresh from ``tx.init``, tracers) answer from the fields commjax's
+    state classes declare (:func:`per_replica`); use :func:`infer_per_replica` to trace
+    an arbitrary transform instead.
+    """
+    read = _reads_placement(state, axis_name)
+
+    def one(leaf: Any, marked: bool) -> bool:
+        spec = _placed_spec(leaf) if read else None
+        if spec is None:
+            return marked
+        first = _first_axis(spec)
+        if first is None:
+            return False
+        # Sharded over another axis (a pmap device axis, say): not a layout of ours.
+        return True if axis_name is None or first == axis_name else marked
+
+    return _map_marked(one, state)
 
 
 def state_specs(state: Any, axis_name: Any) -> Any:
-    """``PartitionSpec``s for ``state``: ``P(axis_name)`` per-replica, ``P()`` replicated."""
-    return _map_marked(lambda leaf, m: P(axis_name) if m else P(), state)
+    """``PartitionSpec``s for ``state``: ``P(axis_name)`` per replica, ``P()`` replicated
+    (see :func:`per_replica_mask` for how that is decided)."""
+    mask = per_replica_mask(state, axis_name)
+    return jax.tree_util.tree_map(lambda m: P(axis_name) if m else P(), mask)
+
+
+def specs_from_mask(mask: Any, axis_name: Any) -> Any:
+    """``P(axis_name)`` where ``mask`` is True, ``P()`` elsewhere (for in/out specs)."""
+    return jax.tree_util.tree_map(lambda m: P(axis_name) if m else P(), mask)
 
 
 def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: Any) -> int:
@@ -96,34 +159,50 @@ def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: Any) -> int:
     return int(np.prod([mesh.shape[n] for n in names]))
 
 
-def shard_state(state: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
-    """Turn a freshly initialised state into global arrays laid out for ``shard_map``.
+def place(leaf: Any, marked: bool, mesh: jax.sharding.Mesh, axis_name: Any, n: int) -> Any:
+    """One leaf as a global array: tiled ``n`` times along axis 0 if per replica."""
+    value = np.asarray(leaf)
+    if marked and value.size == 0:
+        # jit hands empty outputs back replicated; placing them so avoids a recompile.
+        marked = False
+    if marked:
+        if value.ndim == 0:
+            raise ValueError(
+                "shard_state: a per-replica state leaf is a scalar; per-replica leaves need a "
+                "leading dimension to concatenate the replicas' values along (give the leaf "
+                "shape [1] in the transform's init).")
+        shape = (value.shape[0] * n,) + value.shape[1:]
+        # Every shard starts as this process's local value. Building shards from a
+        # callback (not device_put of a host array) avoids a cross-process equality
+        # check of the whole tiled state when the mesh spans processes.
+        return jax.make_array_from_callback(
+            shape, NamedSharding(mesh, P(axis_name)), lambda idx: value)
+    return jax.make_array_from_callback(
+        value.shape, NamedSharding(mesh, P()), lambda idx: value[idx])
+
+
+def shard_state(state: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
+                tx: Any = None, params: Any = None, per_replica_params: bool = False) -> Any:
+    """Turn a freshly initialised local state into global arrays laid out for ``shard_map``.
 
     Per-replica leaves (identical at init on every replica) are tiled ``N`` times along
-    axis 0 and sharded ``P(axis_name)``; replicated leaves are placed ``P()``.
+    axis 0 and sharded ``P(axis_name)``; replicated leaves are placed ``P()``. Which is
+    which: traced from ``tx`` when ``tx`` and ``params`` are given
+    (:func:`infer_per_replica`), else the fields commjax's state classes declare.
+    Prefer :func:`init_sharded`, which also sizes the state for the mesh.
     """
     n = _mesh_axis_size(mesh, axis_name)
-
-    def place(leaf: Any, marked: bool) -> Any:
-        value = np.asarray(leaf)
-        if marked and value.size == 0:
-            # jit hands empty outputs back replicated; placing them so avoids a recompile.
-            marked = False
-        if marked:
-            if value.ndim == 0:
-                raise ValueError("per-replica state leaves need at least one dimension")
-            shape = (value.shape[0] * n,) + value.shape[1:]
-            # Every shard starts as this process's local value. Building shards from a
-            # callback (not device_put of a host array) avoids a cross-process equality
-            # check of the whole tiled state when the mesh spans processes.
-            return jax.make_array_from_callback(
-                shape, NamedSharding(mesh, P(axis_name)), lambda idx: value
-            )
-        return jax.make_array_from_callback(
-            value.shape, NamedSharding(mesh, P()), lambda idx: value[idx]
-        )
-
-    return _map_marked(place, state)
+    if tx is None:
+        if params is not None:
+            raise ValueError("shard_state: `params` is only used with `tx` (to trace "
+                             "tx.update); pass both or neither.")
+        return _map_marked(lambda leaf, m: place(leaf, m, mesh, axis_name, n), state)
+    if params is None:
+        raise ValueError("shard_state: tracing `tx` needs `params` (the parameters the state "
+                         "was made for); pass params=..., or call cj.init_sharded(tx, params, "
+                         "mesh, axis_name).")
+    mask = infer_per_replica(tx, params, mesh, axis_name, per_replica_params=per_replica_params)
+    return jax.tree_util.tree_map(lambda leaf, m: place(leaf, m, mesh, axis_name, n), state, mask)
 
 
 def unshard_state(state: Any, replica: int = 0) -> Any:
@@ -145,7 +224,7 @@ def unshard_state(state: Any, replica: int = 0) -> Any:
         a = leaf.shape[0] // n
         return leaf[replica * a:(replica + 1) * a]
 
-    return _map_marked(take, state)
+    return jax.tree_util.tree_map(take, state, per_replica_mask(state))
 
 
 def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
@@ -158,19 +237,132 @@ def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
     return jax.pmap(lambda t: t, devices=jax.local_devices()[:n])(stacked)
 
 
-def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
-    """``tx.init(params)`` run inside ``shard_map`` over ``axis_name``, laid out as
-    :func:`shard_state` lays it out.
+# ------------------------------------------------------------------- layout by tracing
+
+
+def _axis_names(axis_name: Any) -> frozenset:
+    return frozenset(axis_name) if isinstance(axis_name, (tuple, list)) else frozenset({axis_name})
+
+
+def _local_abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def carry_layout(step: Callable[..., Any], carry: Any, args: tuple, args_axes: tuple,
+                 mesh: jax.sharding.Mesh, carry_axes: Any = None) -> tuple[list, list]:
+    """The mesh axes each leaf of a loop-carried ``carry`` varies over, at the fixed point
+    of ``carry, *out = step(carry, *args)`` traced under ``shard_map`` over ``mesh``.
+
+    ``args_axes`` gives the axes each argument varies over (a frozenset per argument, or
+    a pytree prefix of it); ``carry_axes`` the starting guess for the carry (default: all
+    replicated). A carry leaf that comes out varying must go in varying on the next
+    step, which can make more leaves vary: repeat until nothing changes (at most once per
+    leaf). Returns ``(carry leaf axes, axes of the other outputs' leaves)``, flattened.
+    """
+    carry = _local_abstract(carry)
+    n = len(jax.tree_util.tree_leaves(carry))
+    treedef = jax.tree_util.tree_structure(carry)
+    axes = list(carry_axes) if carry_axes is not None else [frozenset()] * n
+    for _ in range(n + 1):
+        tree = jax.tree_util.tree_unflatten(treedef, axes)
+        outs = trace_varying(step, (carry,) + tuple(args), (tree,) + tuple(args_axes), mesh)
+        new = [a | o for a, o in zip(axes, outs[:n])]
+        if new == axes:
+            return axes, outs[n:]
+        axes = new
+    raise AssertionError("carry_layout: no fixed point")  # pragma: no cover - monotone
+
+
+def _tx_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh,
+               per_replica_params: bool) -> tuple[Any, list, list]:
+    """``(local abstract state, state leaf axes, update leaf axes)`` of ``tx`` traced on
+    gradients that vary over every mesh axis."""
+    params = _local_abstract(params)
+    every = frozenset(mesh.axis_names)
+    p_axes = every if per_replica_params else frozenset()
+    # init runs once, on the common starting parameters: replicated even when the
+    # replicas go on to hold their own.
+    init_axes = trace_varying(tx.init, (params,), (frozenset(),), mesh)
+    state = jax.eval_shape(_compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                             check_vma=False), params)
+
+    def update(s, g, p):
+        u, s = tx.update(g, s, p)
+        return s, u
+
+    axes, upd = carry_layout(update, state, (params, params), (every, p_axes), mesh, init_axes)
+    return state, axes, upd
+
+
+def infer_per_replica(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
+                      per_replica_params: bool = False) -> Any:
+    """Which leaves of ``tx``'s state are per replica, found by tracing (never running)
+    ``tx.init`` and ``tx.update`` inside ``shard_map`` over ``mesh``.
+
+    The gradients vary over every mesh axis (each replica differentiates its own batch);
+    the parameters are replicated unless ``per_replica_params`` (DiLoCo-style replicas
+    that hold their own parameters). A state leaf is per replica when, at the fixed point
+    of ``state -> update(grads, state)``, it varies over ``axis_name``
+    (:func:`carry_layout`, :mod:`commjax.varying`).
+
+    Returns a pytree of bools shaped like ``tx.init(params)`` (as initialised inside
+    ``shard_map``, so sized for this mesh).
+
+    Raises:
+      ValueError: a state leaf varies over a mesh axis outside ``axis_name`` (it cannot be
+        laid out ``P(axis_name)``), naming the leaf.
+    """
+    return trace_update(tx, params, mesh, axis_name, per_replica_params=per_replica_params)[0]
+
+
+def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
+                 per_replica_params: bool = False) -> tuple[Any, bool]:
+    """``(per-replica mask of the state, whether the updates vary over axis_name)`` from
+    one trace of ``tx`` (:func:`infer_per_replica`). Updates that vary with replicated
+    parameters mean ``tx`` averages nothing: the replicas would drift apart."""
+    state, axes, upd = _tx_layout(tx, params, mesh, per_replica_params)
+    names = _axis_names(axis_name)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    shapes = [l.shape for l in jax.tree_util.tree_leaves(state)]
+    for path, a, shape in zip(paths, axes, shapes):
+        if a & names and not shape:
+            raise ValueError(
+                f"infer_per_replica: state leaf {path} is a scalar that differs between "
+                f"replicas over {axis_name!r} (it is computed from this replica's own "
+                "gradient), so replicas would disagree on it, and a scalar cannot be laid "
+                "out per replica. This is usually a decision taken on each replica before "
+                "the exchange: put optax.apply_if_finite (or any wrapper that tests the "
+                "gradient) *after* cj.compressed_mean in the chain, not around it.")
+        if (a - names) and not (a & names):
+            raise ValueError(
+                f"infer_per_replica: state leaf {path} varies over mesh axes "
+                f"{sorted(a - names)} but not over `axis_name` {axis_name!r}, so it cannot be "
+                f"laid out P({axis_name!r}). Pass every axis the gradients are averaged over "
+                "as `axis_name` (a tuple), or average over the others inside the transform.")
+    # A transform may also *declare* fields per replica (commjax's own metrics, which it
+    # types as varying under check_vma=True so that every branch of a cond agrees): a cast
+    # that check_vma=False tracing does not record, so the declaration joins the result.
+    declared = jax.tree_util.tree_leaves(_map_marked(lambda leaf, m: m, state))
+    sizes = [int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(state)]
+    # Empty leaves hold nothing per replica; jit hands them back replicated.
+    mask = [bool(a & names or d) and size > 0 for a, d, size in zip(axes, declared, sizes)]
+    tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), mask)
+    return tree, any(a & names for a in upd)
+
+
+def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
+                 per_replica_params: bool = False, mask: Any = None) -> Any:
+    """``tx.init(params)`` run inside ``shard_map`` over ``axis_name`` and laid out for it:
+    per-replica leaves (found by tracing, :func:`infer_per_replica`) as global
+    ``[N * a, ...]`` arrays sharded ``P(axis_name)``, the rest replicated ``P()``.
 
     Inside ``shard_map`` the axis is bound, so state whose size depends on the number of
     replicas (the two-phase reducer's server residual) is sized for this mesh without a
-    ``num_replicas`` argument. ``params`` are replicated.
+    ``num_replicas`` argument. ``params`` are one replica's (local) parameters. ``mask``:
+    a per-replica mask already traced (:func:`trace_update`), to skip tracing again.
     """
-    # The structure (not the sizes) decides the specs; trace init where the axes are bound.
-    probe = _compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
-    structure = jax.eval_shape(probe, params)
-    specs = state_specs(structure, axis_name)
-    fn = _compat.shard_map(
-        tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs, check_vma=False
-    )
+    if mask is None:
+        mask = infer_per_replica(tx, params, mesh, axis_name, per_replica_params=per_replica_params)
+    specs = specs_from_mask(mask, axis_name)
+    fn = _compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs, check_vma=False)
     return jax.jit(fn)(params)

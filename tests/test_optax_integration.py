@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
-from commjax.layout import per_replica
 from commjax.metrics import compressed_mean_states, local_metrics, replica_metrics, step_metrics
 from commjax.testing import flat_residual
 
@@ -32,24 +31,6 @@ N = 4
 AX = "data"
 
 
-def _ensure_multisteps_accumulators_per_replica() -> None:
-    """``optax.MultiStepsState.acc_grads`` is each replica's own running mean of its
-    gradients (accumulated before the compressed exchange), so it must be laid out per
-    replica (``P(axis)``). commjax.layout does not mark it (yet): without this, under
-    ``check_vma=True`` MultiSteps fails at trace time with compressed_mean's "gradient
-    leaf ... is replicated (invariant)" error (raised from MultiSteps' skip branch, which
-    evaluates the inner update on the stored accumulator), and under ``check_vma=False``
-    the global array would claim to be replicated while every device holds a different
-    value (a checkpoint would keep only one of them). Marked here with the public
-    ``per_replica`` decorator until layout.py does it."""
-    probe = optax.MultiStepsState(mini_step=jnp.zeros((), jnp.int32),
-                                  gradient_step=jnp.zeros((), jnp.int32),
-                                  inner_opt_state=(), acc_grads=jnp.zeros((1,)), skip_state=())
-    if not cj.per_replica_mask(probe).acc_grads:
-        per_replica("acc_grads")(optax.MultiStepsState)
-
-
-_ensure_multisteps_accumulators_per_replica()
 DIM, HIDDEN, CLASSES, BATCH = 16, 64, 4, 8
 
 
@@ -94,8 +75,9 @@ def batch(step: int, nan_replica: int | None = None):
 
 def make_step(tx, mesh, params):
     """``(step, state)``: one data-parallel step ``(params, state, x, y) -> (params, state,
-    updates)`` with replicated params and the state laid out per replica."""
-    state = cj.shard_state(tx.init(params), mesh, AX)
+    updates)`` with replicated params and the state laid out per replica (found by
+    tracing tx: MultiSteps' accumulators too, with nothing registered)."""
+    state = cj.init_sharded(tx, init_params(), mesh, AX)
     specs = cj.state_specs(state, AX)
 
     def local(p, s, x, y):
@@ -189,7 +171,7 @@ def test_multisteps_state_lays_out_and_reports_metrics(mesh):
     ms = optax.MultiSteps(optax.chain(cm(cj.quantize(bits=8)), optax.sgd(0.1)),
                           every_k_schedule=2)
     params = init_params()
-    state = cj.shard_state(ms.init(params), mesh, AX)
+    state = cj.init_sharded(ms, params, mesh, AX)
     specs = cj.state_specs(state, AX)
     s = cm_state(specs)
     assert s.residual == (P(AX),) * len(s.residual) and s.residual and s.count == P()
@@ -260,9 +242,10 @@ def test_apply_if_finite_after_compressed_mean_skips_nan_step_everywhere(mesh):
 def test_apply_if_finite_around_the_exchange_is_refused_at_trace_time(mesh):
     """Wrapping compressed_mean *inside* apply_if_finite makes the skip decision per
     replica (before the exchange), so replicas would take different branches around a
-    collective; under check_vma=True JAX refuses it while tracing (no hang)."""
+    collective; the layout traced from it refuses the per-replica skip counter (before
+    any step is traced), and under check_vma=True JAX refuses the step too (no hang)."""
     tx = optax.apply_if_finite(optax.chain(cm(cj.quantize(bits=4)), optax.adam(1e-2)), 3)
-    with pytest.raises(TypeError, match="cond branches"):
+    with pytest.raises((TypeError, ValueError), match="cond branches|differs between replicas"):
         run(tx, mesh, 1)
 
 

@@ -1,0 +1,382 @@
+"""``cj.data_parallel``: the data-parallel train step, built from a loss and an optax transform.
+
+Compression must see each replica's own gradient, so the step runs inside
+``jax.shard_map``; this module writes that wiring once::
+
+    dp = cj.data_parallel(loss_fn, tx, mesh)          # loss_fn(params, batch) -> scalar
+    state = dp.init(params)                            # params, opt_state, step, key: placed
+    for batch in batches:                              # global batch, split over "data"
+        state, loss = dp.step(state, batch)            # loss: each replica's, shape [N]
+
+What the step does on replica ``i`` of ``N`` (``b_i`` its rows of the batch)::
+
+    g_i = grad(loss_fn)(vary(params), b_i)      # vary: keep JAX from summing g_i itself
+    u, opt_state = tx.update(g_i, opt_state, params)   # the commjax exchange in tx
+    params = params + u                          # u is identical on every replica
+
+and around it: the state's layout found by tracing ``tx`` (:mod:`commjax.layout`), the
+state's buffers donated, a PRNG key per replica and step (``with_rng=True``),
+parameters per replica for DiLoCo-style optimizers (``per_replica_params=True``),
+process-local batches with several processes, ``optax.MultiSteps`` replaced by its
+once-per-real-step equivalent (:func:`commjax.accumulate`), and Flax NNX modules and
+``nnx.Optimizer`` (``dp.init(model)``) through ``nnx.split``/``nnx.merge``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from commjax import _compat, layout, validation
+from commjax.accounting import CollectiveReport, collective_bytes
+from commjax.accumulate import accumulate, is_multisteps
+
+try:  # Flax is optional: NNX modules are supported when it is installed.
+    from flax import nnx
+except ImportError:  # pragma: no cover - exercised without the flax extra
+    nnx = None
+
+__all__ = ["TrainState", "DataParallel", "data_parallel"]
+
+
+class TrainState(NamedTuple):
+    """What :meth:`DataParallel.step` carries from step to step (a pytree of arrays:
+    orbax saves it as it is).
+
+    Attributes:
+      step: int32 scalar, replicated: steps (micro-steps under accumulation) done.
+      params: the parameters, replicated ``P()``; with ``per_replica_params`` a leading
+        replica axis ``[N, ...]`` sharded ``P(axis)``. For an NNX model: its
+        ``nnx.State`` (parameters and other variables).
+      opt_state: the optimizer state laid out by tracing (per-replica leaves as global
+        ``[N * a, ...]`` arrays sharded ``P(axis)``). For an NNX model: the
+        ``nnx.Optimizer``'s ``nnx.State``.
+      key: uint32[2] raw PRNG key, replicated; the step folds in the step and the replica.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    key: jax.Array
+
+
+def _is_nnx(x: Any) -> bool:
+    return nnx is not None and isinstance(x, (nnx.Module, nnx.Optimizer))
+
+
+@dataclasses.dataclass
+class _Nnx:
+    """Static halves of an NNX model and optimizer (set by :meth:`DataParallel.init`)."""
+
+    model_def: Any
+    opt_def: Any
+    wrt: Any
+
+
+class DataParallel:
+    """A compiled data-parallel train step; made by :func:`data_parallel`."""
+
+    def __init__(self, loss_fn, tx, mesh, axis_name, has_aux, with_rng, per_replica_params,
+                 donate, check_vma, wrt):
+        self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name
+        self.has_aux, self.with_rng = has_aux, with_rng
+        self.per_replica_params, self.donate, self.check_vma = per_replica_params, donate, check_vma
+        self.num_replicas = int(np.prod([mesh.shape[a] for a in _names(axis_name)]))
+        self._wrt = wrt
+        self._nnx: Optional[_Nnx] = None
+        self._specs: Any = None
+        self._step: Optional[Callable[..., Any]] = None
+
+    # ---------------------------------------------------------------- init
+
+    def init(self, params: Any, *, optimizer: Any = None, seed: int = 0) -> TrainState:
+        """The first :class:`TrainState`: ``params`` (one replica's parameters, or a Flax NNX
+        module) placed on the mesh, the optimizer state initialised inside ``shard_map``
+        and laid out by tracing the update, the step counter and a PRNG key from ``seed``.
+
+        For an NNX module the step trains it through an ``nnx.Optimizer(model, tx,
+        wrt=wrt)``, or through ``optimizer`` if given (its state is kept).
+        """
+        validation.check_int("seed", seed, 0, factory="DataParallel.init")
+        if _is_nnx(params) or optimizer is not None:
+            params, opt_state, body = self._init_nnx(params, optimizer)
+        else:
+            params, opt_state, body = self._init_tree(params)
+        key = jax.random.key_data(jax.random.key(seed))
+        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, key)
+        self._specs = TrainState(P(), self._param_specs(params), layout.state_specs(opt_state, self.axis_name), P())
+        self._build(body)
+        return jax.tree_util.tree_map(self._place_replicated, state,
+                                      is_leaf=lambda x: isinstance(x, jax.Array) and _is_placed(x))
+
+    def _init_tree(self, params: Any):
+        mask, varies = layout.trace_update(self.tx, params, self.mesh, self.axis_name,
+                                           per_replica_params=self.per_replica_params)
+        if varies and not self.per_replica_params:
+            raise ValueError(
+                f"data_parallel: `tx`'s updates differ between replicas over {self.axis_name!r} "
+                "(it averages nothing), so replicated parameters would drift apart. Put "
+                f"cj.compressed_mean(compressor, axis_name={self.axis_name!r}) first in the "
+                "optax.chain, or pass per_replica_params=True for optimizers whose replicas "
+                "hold their own parameters (cj.diloco).")
+        opt_state = layout.init_sharded(self.tx, params, self.mesh, self.axis_name,
+                                        per_replica_params=self.per_replica_params, mask=mask)
+        if self.per_replica_params:
+            params = jax.tree_util.tree_map(
+                lambda p: layout.place(np.asarray(p)[None], True, self.mesh, self.axis_name,
+                                       self.num_replicas), params)
+        return params, opt_state, self._tree_body
+
+    def _init_nnx(self, model: Any, optimizer: Any):
+        if nnx is None:
+            raise ImportError("DataParallel.init: `optimizer=` is for Flax NNX; pip install "
+                              "'commjax[flax]'.")
+        if self.per_replica_params:
+            raise ValueError("data_parallel: per_replica_params=True is for parameter pytrees; "
+                             "pass nnx.state(model, nnx.Param) instead of the module.")
+        if optimizer is None:
+            optimizer = nnx.Optimizer(model, self.tx, wrt=self._wrt)
+        elif not isinstance(optimizer, nnx.Optimizer):
+            raise TypeError(f"DataParallel.init: `optimizer` must be an nnx.Optimizer, got "
+                            f"{type(optimizer).__name__}.")
+        if is_multisteps(optimizer.tx):
+            optimizer.tx = accumulate(optimizer.tx)  # same state, one exchange per real step
+        model_def, model_state = nnx.split(model)
+        opt_def, opt_state = nnx.split(optimizer)
+        self._nnx = _Nnx(model_def, opt_def, optimizer.wrt)
+        # The optax state's layout, traced on its own (pure) structure, then carried over
+        # to the nnx.State leaves by path: nnx.split turns optax's NamedTuples into dicts.
+        params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+        pure = nnx.as_pure(optimizer.opt_state)
+        mask, varies = layout.trace_update(optimizer.tx, params, self.mesh, self.axis_name)
+        if varies:
+            raise ValueError(
+                f"data_parallel: the optimizer's updates differ between replicas over "
+                f"{self.axis_name!r} (it averages nothing), so the model's replicas would drift "
+                f"apart. Put cj.compressed_mean(..., axis_name={self.axis_name!r}) first in "
+                "the optax chain.")
+        by_path = dict(zip(_paths(pure), jax.tree_util.tree_leaves(mask)))
+        opt_mask = [by_path.get(path[1:], False) if path[:1] == ("opt_state",) else False
+                    for path in _paths(opt_state)]
+        place = lambda leaf, m=False: layout.place(  # noqa: E731
+            leaf, m, self.mesh, self.axis_name, self.num_replicas)
+        opt_leaves, opt_tree = jax.tree_util.tree_flatten(opt_state)
+        opt_state = jax.tree_util.tree_unflatten(
+            opt_tree, [place(l, m) for l, m in zip(opt_leaves, opt_mask)])
+        return jax.tree_util.tree_map(place, model_state), opt_state, self._nnx_body
+
+    def _nnx_update(self, model_state, opt_state, grads):
+        """``nnx.Optimizer.update`` on merged copies; returns the new states."""
+        model = nnx.merge(self._nnx.model_def, model_state)
+        opt = nnx.merge(self._nnx.opt_def, opt_state)
+        opt.update(model, grads)
+        return nnx.state(model), nnx.state(opt)
+
+    def _param_specs(self, params: Any) -> Any:
+        if self._nnx is not None:
+            return layout.state_specs(params, self.axis_name)
+        spec = P(self.axis_name) if self.per_replica_params else P()
+        return jax.tree_util.tree_map(lambda _: spec, params)
+
+    def _place_replicated(self, leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and _is_placed(leaf):
+            return leaf
+        return layout.place(leaf, False, self.mesh, self.axis_name, self.num_replicas)
+
+    # ---------------------------------------------------------------- the step
+
+    def _loss_and_grad(self, params, batch, key):
+        args = (batch, key) if self.with_rng else (batch,)
+        fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
+        out, grads = fn(_compat.vary(params, self.axis_name), *args)
+        loss, aux = out if self.has_aux else (out, None)
+        return loss, aux, grads
+
+    def _tree_body(self, state: TrainState, batch, key):
+        params = state.params
+        if self.per_replica_params:
+            params = jax.tree_util.tree_map(lambda a: a[0], params)
+        loss, aux, grads = self._loss_and_grad(params, batch, key)
+        updates, opt_state = self.tx.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if self.per_replica_params:
+            params = jax.tree_util.tree_map(lambda a: a[None], params)
+        return params, opt_state, loss, aux
+
+    def _nnx_body(self, state: TrainState, batch, key):
+        model = nnx.merge(self._nnx.model_def, state.params)
+        wrt = self._nnx.wrt
+        graphdef, params, rest = nnx.split(model, wrt, ...)
+
+        def loss_of(p, *args):
+            return self.loss_fn(nnx.merge(graphdef, p, rest), *args)
+
+        args = (batch, key) if self.with_rng else (batch,)
+        fn = jax.value_and_grad(loss_of, has_aux=self.has_aux)
+        out, grads = fn(_compat.vary(params, self.axis_name), *args)
+        loss, aux = out if self.has_aux else (out, None)
+        model_state, opt_state = self._nnx_update(state.params, state.opt_state, grads)
+        return model_state, opt_state, loss, aux
+
+    def _build(self, body: Callable[..., Any]) -> None:
+        axis = self.axis_name
+
+        def local(state: TrainState, batch):
+            key = jax.random.fold_in(jax.random.fold_in(
+                jax.random.wrap_key_data(state.key), state.step), lax.axis_index(axis))
+            params, opt_state, loss, aux = body(state, batch, key)
+            new = TrainState(state.step + 1, params, opt_state, state.key)
+            per_replica = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], (loss, aux))
+            return new, per_replica
+
+        mapped = _compat.shard_map(local, mesh=self.mesh, in_specs=(self._specs, P(axis)),
+                                   out_specs=(self._specs, P(axis)), check_vma=self.check_vma)
+        #: The step before ``jax.jit``: ``(state, placed batch) -> (state, (loss, aux))``, to
+        #: call inside a larger jitted function of the user's.
+        self.sharded_step = mapped
+        self._step = jax.jit(mapped, donate_argnums=(0,) if self.donate else ())
+
+    def place_batch(self, batch: Any) -> Any:
+        """The batch as global arrays split over the replicas along axis 0. On one process
+        ``batch`` is the global batch; with several processes it is this process's rows
+        (``jax.make_array_from_process_local_data``)."""
+        sharding = NamedSharding(self.mesh, P(self.axis_name))
+        if jax.process_count() > 1:
+            return jax.tree_util.tree_map(
+                lambda x: x if _is_placed(x) else jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                batch)
+        for leaf in jax.tree_util.tree_leaves(batch):
+            if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % self.num_replicas:
+                raise ValueError(
+                    f"DataParallel.step: every batch array needs a leading dimension divisible "
+                    f"by the {self.num_replicas} replicas of {self.axis_name!r}; got shape "
+                    f"{jnp.shape(leaf)}.")
+        return jax.device_put(batch, sharding)
+
+    def step(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        """One step: ``(new state, loss)`` (``(new state, (loss, aux))`` with ``has_aux``).
+
+        ``loss`` holds every replica's loss, shape ``[N]`` (sharded over the axis; no
+        collective computes it); ``aux`` leaves get the same leading replica axis.
+        With ``donate=True`` the buffers of ``state`` are reused: do not read it again.
+        """
+        if self._step is None:
+            raise RuntimeError("DataParallel.step: call dp.init(params) first.")
+        new, (loss, aux) = self._step(state, self.place_batch(batch))
+        return new, ((loss, aux) if self.has_aux else loss)
+
+    # ---------------------------------------------------------------- inspection
+
+    def lower(self, state: TrainState, batch: Any):
+        """``jax.jit(...).lower`` of the step for this state and batch."""
+        return self._step.lower(state, self.place_batch(batch))
+
+    def collectives(self, state: TrainState, batch: Any) -> CollectiveReport:
+        """Every collective of the compiled step, with the bytes it sends per device."""
+        return collective_bytes(self.lower(state, batch).compile())
+
+    def model(self, state: TrainState) -> Any:
+        """The NNX model with ``state``'s variables (replica 0's for per-replica ones)."""
+        if self._nnx is None:
+            raise ValueError("DataParallel.model: this step trains a parameter pytree; read "
+                             "state.params.")
+        return nnx.merge(self._nnx.model_def, state.params)
+
+    def replica_params(self, state: TrainState, replica: int = 0) -> Any:
+        """One replica's parameters (host arrays), read from that replica's own device."""
+        def one(leaf):
+            shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
+            row = np.asarray(shards[replica].data)
+            return row[0] if self.per_replica_params else row
+        return jax.tree_util.tree_map(one, state.params)
+
+    def replicas_identical(self, state: TrainState) -> bool:
+        """Whether every device holds bit-identical parameters (each device's own copy)."""
+        for leaf in jax.tree_util.tree_leaves(state.params):
+            shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+            if not all(np.array_equal(shards[0], s, equal_nan=True) for s in shards[1:]):
+                return False
+        return True
+
+
+def _paths(tree: Any) -> list[tuple[str, ...]]:
+    """Each leaf's path as plain names (attribute, key or index alike; an NNX Variable's
+    trailing ``.value`` dropped), so that a NamedTuple state and its ``nnx.split`` dict
+    form name their leaves the same way."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
+        out.append(tuple(names[:-1] if names and names[-1] == "value" else names))
+    return out
+
+
+def _names(axis_name: Any) -> frozenset:
+    return frozenset(axis_name) if isinstance(axis_name, (tuple, list)) else frozenset({axis_name})
+
+
+def _is_placed(x: Any) -> bool:
+    return isinstance(getattr(x, "sharding", None), NamedSharding)
+
+
+def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh, *,
+                  axis_name: Any = "data", has_aux: bool = False, with_rng: bool = False,
+                  per_replica_params: bool = False, donate: bool = True,
+                  check_vma: bool = True, wrt: Any = None) -> DataParallel:
+    """Build the data-parallel train step of ``loss_fn`` with the optax transform ``tx``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (``-> (scalar, aux)`` with
+        ``has_aux``; a third argument ``key`` with ``with_rng``), this replica's loss on
+        its rows of the batch. For an NNX model, ``loss_fn(model, batch)``.
+      tx: an optax transform containing a commjax exchange over ``axis_name``
+        (``optax.chain(cj.compressed_mean(...), optax.adam(...))``, ``cj.dgc(...)``, ...).
+        An ``optax.MultiSteps`` is run as :func:`commjax.accumulate` (same state, same
+        numbers, one exchange per real step instead of one per micro-step).
+      mesh: a ``jax.sharding.Mesh`` with ``axis_name`` among its axes.
+      axis_name: the mesh axis (or tuple of axes) the batch is split over.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      with_rng: ``loss_fn`` takes a PRNG key, ``fold_in(fold_in(key, step), replica)``:
+        different on every replica and step, reproducible from ``init``'s ``seed``.
+      per_replica_params: each replica keeps its own parameters (``cj.diloco``).
+      donate: reuse the state's buffers for the new state (halves peak state memory).
+      check_vma: ``shard_map``'s replication check (on by default).
+      wrt: the NNX variable filter trained (default ``nnx.Param``).
+
+    Returns:
+      A :class:`DataParallel`: ``init(params)``, ``step(state, batch)``, ``collectives``.
+
+    Raises:
+      ValueError / TypeError: a bad argument, named in the message with the fix.
+    """
+    factory = "data_parallel"
+    if not callable(loss_fn):
+        raise TypeError(f"{factory}: `loss_fn` must be callable, loss_fn(params, batch) -> "
+                        f"scalar; got {loss_fn!r}.")
+    if is_multisteps(tx):
+        tx = accumulate(tx)
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"{factory}: `tx` must be an optax transform such as optax.chain("
+                        f"cj.compressed_mean(cj.quantize(bits=8)), optax.adam(1e-3)); got {tx!r}.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"{factory}: `mesh` must be a jax.sharding.Mesh, e.g. jax.make_mesh(("
+                        f"jax.device_count(),), ('data',)); got {type(mesh).__name__}.")
+    axis_name = validation.normalize_axis(axis_name)
+    missing = sorted(_names(axis_name) - set(mesh.axis_names))
+    if missing:
+        raise ValueError(f"{factory}: `axis_name` {axis_name!r} names axes {missing} that the "
+                         f"mesh does not have (its axes: {tuple(mesh.axis_names)}).")
+    for name, value in (("has_aux", has_aux), ("with_rng", with_rng),
+                        ("per_replica_params", per_replica_params), ("donate", donate),
+                        ("check_vma", check_vma)):
+        validation.check_bool(name, value, factory=factory)
+    if wrt is None and nnx is not None:
+        wrt = nnx.Param
+    return DataParallel(loss_fn, tx, mesh, axis_name, bool(has_aux), bool(with_rng),
+                        bool(per_replica_params), bool(donate), bool(check_vma), wrt)
