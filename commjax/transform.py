@@ -59,7 +59,8 @@ class CompressedMeanState(NamedTuple):
         lossless compressor (the identity), whose residual would always be zero. Kept per
         leaf so that the step reads and writes each in place, never a joined copy.
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
-        chunk of the bucket; shape ``[0]`` for other reducers.
+        chunk of the bucket; ``()`` for other reducers (a zero-size array would make
+        orbax's standard handlers refuse the state).
       compressor_state: replicated state of a compressor with its own exchange (PowerSGD's
         Q factors); ``()`` otherwise.
       metrics: per-replica ``float32[1]`` values of the last step, computed locally with no
@@ -71,7 +72,7 @@ class CompressedMeanState(NamedTuple):
     count: jax.Array
     key: jax.Array
     residual: tuple
-    server_residual: jax.Array
+    server_residual: Any
     compressor_state: Any
     metrics: dict
 
@@ -147,10 +148,10 @@ def _validate(cfg: ExchangeConfig, leaves, state: CompressedMeanState):
             f"compressed_mean: the state's residual holds arrays of shapes {have} but these "
             f"gradients need {want} (one per compressed leaf): was the state made by init() "
             "for other parameters or other options?")
-    if state.server_residual.shape[0] != plan.server_residual_size:
+    if jnp.size(state.server_residual) != plan.server_residual_size:
         raise ValueError(
             "compressed_mean: the state was initialised for a different number of replicas "
-            f"(server residual of {state.server_residual.shape[0]} elements, {n_rep} replicas "
+            f"(server residual of {jnp.size(state.server_residual)} elements, {n_rep} replicas "
             f"need {plan.server_residual_size}). Pass num_replicas={n_rep} to compressed_mean, "
             "or create the state with cj.init_sharded(tx, params, mesh, axis_name).")
     return plan, n_rep
@@ -449,7 +450,8 @@ def _init(cfg: ExchangeConfig, params) -> CompressedMeanState:
         count=jnp.zeros((), jnp.int32),
         key=key,
         residual=tuple(jnp.zeros(shape, cfg.residual_dtype) for shape in _residual_shapes(cfg, plan)),
-        server_residual=jnp.zeros((plan.server_residual_size,), jnp.float32),
+        server_residual=(jnp.zeros((plan.server_residual_size,), jnp.float32)
+                         if plan.server_residual_size else ()),
         compressor_state=comp_state,
         metrics={name: jnp.zeros((1,), jnp.float32) for name in names},
     )
