@@ -27,9 +27,10 @@ the TCP goodput measured on them (one stream, host 0 to host 1): the veths then 
 few Gbit/s, which is not free next to the compute. Results go to
 ``benchmarks/results/bandwidth.json`` and ``bandwidth.png``.
 
-ZeRO rows (``zero_exact``, ``zero_int8``, ``zero_qwd4``: :func:`commjax.zero` around the
-same SGD, reduce-scatter of gradients + all-gather of weights, exact / int8 / 4-bit weight
-differences with Hadamard 4-bit gradients) report their speedup over ``zero_exact``.
+ZeRO rows (``zero_exact``, ``zero_int8``, ``zero_qwd4``, ``zero_qwd4_had``:
+:func:`commjax.zero` around the same SGD, reduce-scatter of gradients + all-gather of
+weights, exact / int8 / 4-bit weight differences with 4-bit gradients, without or with the
+Hadamard rotation) report their speedup over ``zero_exact``.
 
 A reference row, ``no_exchange``, trains without any exchange (each replica applies its
 own gradient): its step time is the compute floor, and
@@ -95,7 +96,8 @@ SGD = dict(learning_rate=0.01, momentum=0.9)
 PRELUDE_STEPS = 3
 
 JAX_METHODS = ("no_exchange", "exact", "bf16", "int8", "int4", "sign", "top_k_1pct",
-               "powersgd_r4", "onebit_adam", "diloco", "zero_exact", "zero_int8", "zero_qwd4")
+               "powersgd_r4", "onebit_adam", "diloco", "zero_exact", "zero_int8", "zero_qwd4",
+               "zero_qwd4_had")
 #: Sharded data parallel (cj.zero: reduce-scatter + all-gather) rows, timed against
 #: exact fp32 ZeRO ("zero_exact") rather than against the exact mean.
 ZERO_BASE = "zero_exact"
@@ -285,14 +287,17 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
 
 def zero_method(name: str, params: Any, n: int, sgd: Any) -> JaxMethod:
     """ZeRO-2 (cj.zero): the same SGD on 1/n shards; exact, int8 (weights and grads), or
-    4-bit weight differences (qWD) + Hadamard 4-bit grads (SDP4Bit's single-level pair)."""
+    4-bit weight differences (qWD) + 4-bit grads, without or with the 32-wide Hadamard
+    rotation of the grads (SDP4Bit's single-level pair; a 32 x 32 product per chunk of the
+    full gradient, CPU time that a GPU hides)."""
     import commjax as cj
 
     kw = {
         "zero_exact": {},
         "zero_int8": dict(grad_codec=cj.quantize(bits=8), weight_codec=cj.quantize(bits=8, stochastic=False)),
-        "zero_qwd4": dict(grad_codec=cj.hadamard(cj.quantize(bits=4)),
-                          weight_codec=cj.quantize(bits=4, stochastic=False)),
+        "zero_qwd4": dict(grad_codec=cj.quantize(bits=4), weight_codec=cj.quantize(bits=4, stochastic=False)),
+        "zero_qwd4_had": dict(grad_codec=cj.hadamard(cj.quantize(bits=4)),
+                              weight_codec=cj.quantize(bits=4, stochastic=False)),
     }[name]
     plan = cj.zero_wire_bytes(params, n, **kw)
     return JaxMethod(cj.zero(sgd, AXIS, num_replicas=n, **kw), plan["total"],
