@@ -20,10 +20,12 @@ payload bytes for ``s`` elements)::
     forward all-gather     (N - 1) P_w(s)           exact fp32: (N - 1) 4 s
     backward reduce-scatter (N - 1) P_g(s)           exact fp32: (N - 1) 4 s
 
-Under ``jax.checkpoint`` the gather is recomputed in the backward pass (the gathered
-weights are not kept alive between the passes: ZeRO-3's memory saving) and sends its bytes
-twice. Stochastic codecs need a ``key`` that is the same on every replica; the recomputed
-gather uses the same key and so the same weights. Inside ``lax.scan`` over stacked layers,
+Under ``jax.checkpoint`` JAX emits the gather again for the backward pass (ZeRO-3's way
+of not keeping every layer's full weights alive between the passes), with the same key, so
+the recomputed weights are the forward ones and the gradient is the same. Whether the
+compiled program really gathers twice is XLA's choice: XLA on CPU (JAX 0.10) merges the
+two identical gathers, so the step sends the weights once and keeps them alive.
+Stochastic codecs need a ``key`` that is the same on every replica. Inside ``lax.scan`` over stacked layers,
 the stacked shards ``[L, s]`` are scanned like any other array (fold the layer index into
 the key).
 
@@ -298,7 +300,8 @@ def fsdp_wire_bytes(like: Any, num_shards: int, codec: Optional[Compressor] = No
     """Analytic per-device ring bytes of one :func:`fsdp_gather` of parameters shaped like
     ``like``, laid out by :func:`fsdp_shard` with ``align`` over ``num_shards`` (one axis):
     ``{"all_gather", "reduce_scatter", "total"}`` (the forward gather and its VJP), as the
-    compiled HLO sends them. Under ``jax.checkpoint`` the gather runs twice."""
+    compiled HLO sends them (once per gather: XLA merges a rematerialised gather with the
+    forward one on CPU)."""
     leaves = jax.tree_util.tree_leaves(like)
     sizes = [math.prod(np.shape(l)) for l in leaves]
     shards = [jax.ShapeDtypeStruct((shard_size(m, num_shards, align if m >= min_compress_size else 1),),

@@ -12,9 +12,9 @@ library's source (non-i.i.d. shards). ``--weights``:
 * ``none`` / ``int8``: FSDP. Each replica stores ``1/8`` of every parameter (flat,
   zero-padded shards: ``cj.fsdp_shard``); the forward pass gathers each Transformer block's
   weights just before using it (``cj.fsdp_gather``: exact, or blockwise int8 as ZeRO++'s
-  qwZ) inside ``jax.checkpoint`` (re-gathered in the backward pass, never all alive at
-  once); the gather's VJP reduce-scatters the gradient (``--grads``), and ``optax.adam``
-  runs on the shards.
+  qwZ) inside ``jax.checkpoint`` (marked for re-gathering in the backward pass; XLA on
+  CPU merges the two identical gathers and sends them once); the gather's VJP
+  reduce-scatters the gradient (``--grads``), and ``optax.adam`` runs on the shards.
 * ``qwd4``: ZeRO-2 (``cj.zero``): every replica holds the full parameters; the gradient is
   reduce-scattered (``--grads``), Adam updates an fp32 master shard, and the 4-bit
   quantized *difference* between the master shard and the parameters is all-gathered and

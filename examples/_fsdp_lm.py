@@ -12,7 +12,7 @@ FSDP (ZeRO-3) pattern, the part worth reading::
                                grad_codec=cj.quantize(4), key=key, like=like_block)
             return nnx.merge(block_def, w)(h)
         for shard in shards["blocks"]:
-            h = jax.checkpoint(block)(shard, h)                      # re-gathered for backward
+            h = jax.checkpoint(block)(shard, h)                      # may be re-gathered
         ...
     grads = jax.grad(loss)(shards, batch)     # this replica's shard of the mean gradient
     updates, opt_state = optax.adam(lr).update(grads, opt_state, shards)
@@ -200,8 +200,8 @@ def summary(results: list) -> str:
     cols = [("run", "run"), ("mode", "mode"), ("held", "held-out loss"), ("gap", "gap to exact"),
             ("bytes", "bytes/step/device*"), ("x", "fewer bytes"), ("slow", "on the slow axis**"),
             ("time", "train time")]
-    return (_train.table(rows, cols) + "\n* every collective of the compiled step (HLO), remat "
-            "re-gathers included\n** two_level: the collectives over the 2-wide (slow, "
+    return (_train.table(rows, cols) + "\n* every collective of the compiled step (HLO; XLA "
+            "merged the rematerialised gathers with the forward ones)\n** two_level: the collectives over the 2-wide (slow, "
             "cross-node) axis only; otherwise all of them")
 
 
