@@ -201,8 +201,8 @@ def summary(results: list) -> str:
             ("bytes", "bytes/step/device*"), ("x", "fewer bytes"), ("slow", "on the slow axis**"),
             ("time", "train time")]
     return (_train.table(rows, cols) + "\n* every collective of the compiled step (HLO; XLA "
-            "merged the rematerialised gathers with the forward ones)\n** two_level: the collectives over the 2-wide (slow, "
-            "cross-node) axis only; otherwise all of them")
+            "merged the rematerialised gathers with the forward ones)\n** two_level: the "
+            "collectives over the 2-wide (slow, cross-node) axis only; otherwise all of them")
 
 
 def plot(results: list, path: str) -> str:
