@@ -236,3 +236,22 @@ def test_demo_small(tmp_path, cache_dir):
     assert exact["gap_to_exact"] == 0.0 and abs(bf16["gap_to_exact"]) < 0.02
     assert bf16["compression_ratio"] == pytest.approx(2.0, rel=0.02)
     assert "gap to exact" in proc.stdout and is_figure(tmp_path / "demo.png")
+
+
+def test_fsdp_lm_small(tmp_path, cache_dir):
+    """05_fsdp_lm: the exact FSDP baseline and ZeRO-2 with 4-bit weight differences and
+    two-level gradients (2 x 4 mesh), a few steps of a tiny model."""
+    help_ = subprocess.run([sys.executable, str(EXAMPLES / "05_fsdp_lm.py"), "--help"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert help_.returncode == 0 and "--weights" in help_.stdout and "--grads" in help_.stdout
+    proc = run_example([EXAMPLES / "05_fsdp_lm.py", "--steps", "8", "--d-model", "32", "--layers", "1",
+                        "--seq-len", "32", "--corpus-chars", "200000", "--weights", "qwd4",
+                        "--grads", "two_level", "--lr", "1e-2", "--no-progress", "--out", tmp_path],
+                       cache_dir)
+    runs = json.loads((tmp_path / "fsdp_lm.json").read_text())["runs"]
+    assert [(r["weights"], r["grads"]) for r in runs] == [("none", "none"), ("qwd4", "two_level")]
+    for r in runs:
+        assert len(r["losses"]) == 8 and decreased(r["losses"]) and np.isfinite(r["held_out"])
+    assert runs[1]["replicas_in_sync"] is True
+    assert runs[1]["slow_axis_bytes_per_step"] * 7 < runs[0]["slow_axis_bytes_per_step"]
+    assert "gap to exact" in proc.stdout and is_figure(tmp_path / "fsdp_lm.png")
