@@ -15,8 +15,10 @@ Replica ``i``, micro-step ``j = 0..k-1`` of a real step, gradient ``g_ij``::
               a_i <- 0
 
 Bytes per real step = one exchange of ``tx`` (the plan's ``bytes_per_step``), against
-``k`` exchanges for ``optax.MultiSteps``; the parameters are bit-identical to those of
-``optax.MultiSteps`` with the same inner transform (same formula, same order).
+``k`` exchanges for ``optax.MultiSteps``. The parameters are those of
+``optax.MultiSteps`` with the same inner transform (same formula, same order) up to the
+last bit: compiled inside a conditional, the inner optimizer's arithmetic may be fused
+differently (a multiply-add contracted or not), measured at most 1 ulp after 4 steps.
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ class DataParallel:
         and laid out by tracing the update, the step counter and a PRNG key from ``seed``.
 
         For an NNX module the step trains it through an ``nnx.Optimizer(model, tx,
-        wrt=wrt)``, or through ``optimizer`` if given (its state is kept).
+        wrt=wrt)``, or through ``optimizer`` if given (its transform and ``wrt``; its state
+        is initialised afresh for the mesh: resume by restoring a :class:`TrainState`).
         """
         validation.check_int("seed", seed, 0, factory="DataParallel.init")
         if _is_nnx(params) or optimizer is not None:
@@ -151,8 +152,7 @@ class DataParallel:
         model_def, model_state = nnx.split(model)
         opt_def, opt_state = nnx.split(optimizer)
         self._nnx = _Nnx(model_def, opt_def, optimizer.wrt)
-        # The optax state's layout, traced on its own (pure) structure, then carried over
-        # to the nnx.State leaves by path: nnx.split turns optax's NamedTuples into dicts.
+        # The optax state's layout, traced on its own (pure, NamedTuple) structure.
         params = nnx.as_pure(nnx.state(model, optimizer.wrt))
         pure = nnx.as_pure(optimizer.opt_state)
         mask, varies = layout.trace_update(optimizer.tx, params, self.mesh, self.axis_name)
@@ -162,14 +162,17 @@ class DataParallel:
                 f"{self.axis_name!r} (it averages nothing), so the model's replicas would drift "
                 f"apart. Put cj.compressed_mean(..., axis_name={self.axis_name!r}) first in "
                 "the optax chain.")
-        by_path = dict(zip(_paths(pure), jax.tree_util.tree_leaves(mask)))
-        opt_mask = [by_path.get(path[1:], False) if path[:1] == ("opt_state",) else False
-                    for path in _paths(opt_state)]
-        place = lambda leaf, m=False: layout.place(  # noqa: E731
-            leaf, m, self.mesh, self.axis_name, self.num_replicas)
-        opt_leaves, opt_tree = jax.tree_util.tree_flatten(opt_state)
-        opt_state = jax.tree_util.tree_unflatten(
-            opt_tree, [place(l, m) for l, m in zip(opt_leaves, opt_mask)])
+        # Initialised again inside shard_map, so that state sized by the replica count (the
+        # two-phase server residual) fits this mesh, and carried over to the nnx.State by
+        # path: nnx.split has turned optax's NamedTuples into dicts.
+        fresh = layout.init_sharded(optimizer.tx, params, self.mesh, self.axis_name, mask=mask)
+        by_path = dict(zip(_paths(pure), jax.tree_util.tree_leaves(fresh)))
+        place = lambda leaf: layout.place(  # noqa: E731
+            leaf, False, self.mesh, self.axis_name, self.num_replicas)
+        leaves, tree = jax.tree_util.tree_flatten(opt_state)
+        opt_state = jax.tree_util.tree_unflatten(tree, [
+            by_path[path[1:]] if path[:1] == ("opt_state",) else place(leaf)
+            for path, leaf in zip(_paths(opt_state), leaves)])
         return jax.tree_util.tree_map(place, model_state), opt_state, self._nnx_body
 
     def _nnx_update(self, model_state, opt_state, grads):
@@ -337,8 +340,9 @@ def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
         its rows of the batch. For an NNX model, ``loss_fn(model, batch)``.
       tx: an optax transform containing a commjax exchange over ``axis_name``
         (``optax.chain(cj.compressed_mean(...), optax.adam(...))``, ``cj.dgc(...)``, ...).
-        An ``optax.MultiSteps`` is run as :func:`commjax.accumulate` (same state, same
-        numbers, one exchange per real step instead of one per micro-step).
+        An ``optax.MultiSteps`` is run as :func:`commjax.accumulate` (same state, the same
+        numbers up to the last bit, one exchange per real step instead of one per
+        micro-step).
       mesh: a ``jax.sharding.Mesh`` with ``axis_name`` among its axes.
       axis_name: the mesh axis (or tuple of axes) the batch is split over.
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
