@@ -47,7 +47,7 @@ def test_rotation_lowers_4bit_error_on_outliers():
 def test_in_every_collective_and_reducer(mesh):
     x = jax.random.normal(jax.random.PRNGKey(2), (N, N * 4, 64)).at[:, :, ::13].mul(20.0)
     q4 = cj.hadamard(cj.quantize(4, block_size=64, stochastic=False))
-    lin = cj.hadamard(cj.cast())  # linear: psum-able
+    lin = cj.hadamard(cj.identity())  # linear fp32: psum-able (16-bit payloads are refused)
 
     def f(v):
         v = v[0]
@@ -71,7 +71,7 @@ def test_in_every_collective_and_reducer(mesh):
     assert rel(np.asarray(out["rs"]).reshape(mean.shape), mean) < 0.1
     assert rel(np.asarray(out["ar_gather"][0]), mean) < 0.1
     assert rel(np.asarray(out["ar_two_phase"][0]), mean) < 0.15
-    assert rel(np.asarray(out["ar_psum"][0]), mean) < 0.01
+    assert rel(np.asarray(out["ar_psum"][0]), mean) < 1e-5
 
 
 def test_compressed_mean_trains_with_it():
