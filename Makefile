@@ -1,17 +1,25 @@
-# The two commands of the quick start. Each creates .venv and installs commjax into it
-# (with the test and example extras) the first time, then runs.
+# The commands of the quick start. Each creates .venv and installs commjax into it the
+# first time (with the extras it needs, at the versions pinned in .ci/lowest-versions.txt:
+# the floors of pyproject.toml), then runs.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+CONSTRAINTS ?= .ci/lowest-versions.txt
 STAMP := $(VENV)/.commjax-installed
+DOCS_STAMP := $(VENV)/.commjax-docs-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,examples]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,examples]'
 	touch $(STAMP)
+
+# The docs toolchain is its own extra, so `make test` stays as light as it was.
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -19,9 +27,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The site (API reference from the docstrings) in site/; --strict fails on any warning
+# (a broken reference, a missing object).
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(PY) benchmarks/wire.py
 	$(PY) benchmarks/convergence.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -1,7 +1,7 @@
 """Multi-process start-up for commjax: a thin, version-tolerant wrapper over
 :func:`jax.distributed.initialize`.
 
-commjax adds no process manager or transport of its own (see DESIGN.md): every
+commjax adds no process manager or transport of its own (see docs/multihost.md): every
 process runs the same SPMD program, ``jax.distributed`` connects them, and XLA's
 collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU) move the bytes. This module
 only

@@ -12,7 +12,7 @@ Everything here is deterministic: the same arguments give the same bits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +22,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commjax import _compat
 from commjax.accounting import collective_bytes
+from commjax.collectives import valid_reducers
+from commjax.compressors.base import BlockCompressor, Compressor, Segment
 from commjax.compressors.exact import cast, identity
 from commjax.compressors.quantize import qsgd, quantize, terngrad
 from commjax.compressors.sign import sign
+from commjax.guards import AxisNotBoundError
 from commjax.layout import init_sharded, pmap_state, shard_state, state_specs
+from commjax.plan import communication_plan
+from commjax.transform import compressed_mean
 
 __all__ = ["Task", "noniid_classification", "TrainResult", "train", "mlp_params", "mlp_apply",
-           "block_codecs", "ready", "same_bits", "flat_residual"]
+           "block_codecs", "ready", "same_bits", "flat_residual", "check_compressor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,3 +289,96 @@ def flat_residual(state: Any, num_replicas: int = 1, segments: Optional[Any] = N
     for part, seg in zip(parts, segments):
         out[:, seg.offset:seg.offset + seg.size] = part
     return out
+
+
+# ------------------------------------------------------------------ a user's compressor
+
+
+def _check(ok: bool, name: str, compressor: Compressor, why: str) -> None:
+    if not ok:
+        raise AssertionError(f"check_compressor({compressor!r}): {name}: {why}")
+
+
+def _codec_checks(c: Compressor, n: int) -> None:
+    """The codec alone: payload type and size, determinism, decode shape, bounded error,
+    losslessness if claimed, and block independence (pieces encode like the whole)."""
+    n = -(-n // c.alignment) * c.alignment
+    x = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32)
+    key = jax.random.PRNGKey(2)
+    seg = (Segment(0, n, n, (n,)),)
+    words = c.encode(x, key, seg)
+    _check(words.dtype == jnp.uint32, "payload dtype", c,
+           f"encode must return uint32 words (the wire format), got {words.dtype}")
+    _check(words.shape == (c.payload_words(n, seg),), "payload size", c,
+           f"encode gave {words.shape[0]} words, payload_words({n}) says {c.payload_words(n, seg)}")
+    _check(bool(jnp.array_equal(words, c.encode(x, key, seg))), "determinism", c,
+           "two encodes with the same key differ: replicas could not agree")
+    out = c.decode(words, n, seg)
+    _check(out.shape == (n,) and out.dtype == jnp.float32, "decode", c,
+           f"decode must return float32[{n}], got {out.dtype}{list(out.shape)}")
+    err = float(jnp.linalg.norm(out - x) / jnp.linalg.norm(x))
+    _check(np.isfinite(err) and err <= 1.0 + 1e-6, "error", c,
+           f"||decode(encode(x)) - x|| / ||x|| = {err:.3g}: worse than sending zeros")
+    if c.lossless:
+        _check(err == 0.0, "lossless", c, "lossless = True but decode(encode(x)) != x")
+    if isinstance(c, BlockCompressor) and n >= 2 * c.block:
+        half = (n // c.block // 2) * c.block
+        parts = jnp.concatenate([c.encode(x[:half], key, start=0), c.encode(x[half:], key, start=half)])
+        _check(bool(jnp.array_equal(parts, words)), "blocks", c,
+               "encoding a vector in two pieces (start=...) differs from encoding it whole: "
+               "the two-phase reducer, which encodes chunks, would disagree")
+
+
+def check_compressor(compressor: Compressor, *, num_replicas: Optional[int] = None,
+                     steps: int = 3, size: int = 4096,
+                     reducers: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Run commjax's contract checks on a compressor, a user's own codec included.
+
+    The codec alone (:func:`_codec_checks`): uint32 payload of ``payload_words(n)`` words,
+    deterministic for a key, float32 decode, error below that of sending zeros, exact if
+    it claims ``lossless``, block rows independent. Then, through
+    :func:`commjax.compressed_mean` with every reducer that can carry it, on
+    ``num_replicas`` devices (default: up to 4 of ``jax.devices()``): an unbound axis
+    raises :class:`commjax.AxisNotBoundError`; ``steps`` of non-i.i.d. training leave
+    every replica with bit-identical parameters and a finite loss; the compiled HLO sends
+    exactly the bytes of :func:`commjax.communication_plan`. ``reducers`` limits the
+    reducers tried (each compiles and trains once; default: every valid one and "auto").
+
+    Returns ``{"reducers": [...], "hlo_bytes": {reducer: bytes}, "final_loss": {...}}``.
+    Raises ``AssertionError`` naming the property that failed.
+    """
+    _check(isinstance(compressor, Compressor), "type", compressor,
+           "subclass commjax.compressors.base.Compressor (or BlockCompressor)")
+    hash(compressor)  # frozen dataclass: used as a static argument of compiled functions
+    _codec_checks(compressor, size)
+    n_rep = num_replicas or min(4, jax.device_count())
+    task = noniid_classification(n_rep, examples_per_replica=32, dim=32, hidden=64, seed=5)
+    report: dict[str, Any] = {"reducers": [], "hlo_bytes": {}, "final_loss": {}}
+    tx0 = optax.chain(compressed_mean(compressor, "data", min_compress_size=256), optax.sgd(0.1))
+    try:
+        tx0.update(task.params, tx0.init(task.params), task.params)
+        _check(False, "unbound axis", compressor, "no AxisNotBoundError outside shard_map")
+    except AxisNotBoundError:
+        pass
+    if n_rep < 2:
+        return report  # one device: the codec checks are all that can run
+    valid = ("auto",) if compressor.has_exchange else ("auto",) + tuple(valid_reducers(compressor))
+    for r in reducers or valid:
+        _check(r in valid, "reducers", compressor, f"{r!r} cannot carry it; valid: {valid}")
+        tx = optax.chain(compressed_mean(compressor, "data", reducer=r, min_compress_size=256),
+                         optax.sgd(0.1))
+        result = train(tx, task, steps)
+        _check(result.replicas_identical, f"replicas ({r})", compressor,
+               "replicas hold different parameters after the exchange")
+        _check(bool(np.isfinite(result.final_loss)), f"loss ({r})", compressor, "non-finite loss")
+        shapes = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), task.params)
+        hlo = update_collectives(compressed_mean(compressor, "data", reducer=r, min_compress_size=256),
+                                 shapes, n_rep).total_ring_bytes
+        plan = communication_plan(compressor, shapes, n_rep, reducer=r, min_compress_size=256)
+        _check(abs(hlo - plan.bytes_per_step) <= 0.5, f"bytes ({r})", compressor,
+               f"the compiled HLO sends {hlo} bytes per device, the plan says {plan.bytes_per_step}: "
+               "payload_words/payload_bytes must count what encode produces")
+        report["reducers"].append(r)
+        report["hlo_bytes"][r] = hlo
+        report["final_loss"][r] = result.final_loss
+    return report

@@ -1,23 +1,13 @@
 """What the examples share: building the optimizer from the command line, the
 data-parallel train step, checkpoints, the progress bar, the summary table and the plot.
 
-The data-parallel pattern (the part worth reading)::
+The data-parallel step is :func:`commjax.data_parallel` (the part worth reading)::
 
-    mesh = _compat.make_mesh((n,), ("data",))          # one replica per device
-    opt_state = cj.shard_state(tx.init(params), mesh, "data")
-    specs = cj.state_specs(opt_state, "data")          # P("data") per-replica, P() else
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    dp = cj.data_parallel(loss_fn, tx, mesh)           # loss_fn(params, batch) -> scalar
+    state = dp.init(params)                            # layout of tx's state: traced
+    state, loss = dp.step(state, batch)                # loss: each replica's, shape [N]
 
-    def step(params, opt_state, batch):                # runs once per replica
-        grads = jax.grad(loss_fn)(cj.vary(params, "data"), batch)   # this replica's own
-        updates, opt_state = tx.update(grads, opt_state, params)   # compressed mean
-        return optax.apply_updates(params, updates), opt_state
-
-    step = jax.jit(_compat.shard_map(step, mesh=mesh,
-                                     in_specs=(P(), specs, P("data")),  # params replicated,
-                                     out_specs=(P(), specs)))           # batch split
-
-``cj.vary`` matters: under ``shard_map(check_vma=True)`` JAX would otherwise sum the
-gradient of the replicated parameters over the devices itself, before compression.
 Each step's result is waited for before the next starts (CPU collectives can deadlock
 when several multi-device steps are in flight).
 """
@@ -36,10 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+
 
 import commjax as cj
-from commjax import _compat
 from commjax.metrics import step_metrics
 
 AXIS = "data"
@@ -110,7 +99,8 @@ def data_mesh(num_devices: Optional[int] = None) -> jax.sharding.Mesh:
             f"error: --devices {n} asked for more devices than JAX sees ({len(devices)} "
             f"{devices[0].platform} devices)."
         )
-    return _compat.make_mesh((n,), (AXIS,), devices=devices[:n])
+    return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:n])
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -232,18 +222,16 @@ def local_values(x: jax.Array) -> np.ndarray:
     return np.concatenate([np.asarray(s.data) for s in shards])
 
 
-def _replicated(mesh):
-    return NamedSharding(mesh, P())
-
-
 class DataParallel:
-    """Data-parallel training of a parameter pytree with an optax transform.
+    """A stateful wrapper of :func:`commjax.data_parallel` for the examples' loop: holds the
+    :class:`commjax.TrainState`, compiles the step ahead of time (the demo compiles several
+    runs at once), counts steps and checkpoints.
 
     ``loss_fn(params, batch) -> scalar`` is this replica's loss on its share of the
     batch. Every array of ``batch`` has the global batch on axis 0, split over the
-    replicas. Parameters are replicated (``P()``) unless ``per_replica_params``: then
-    they get a leading replica axis (``P("data")``), for optimizers whose replicas hold
-    different parameters between synchronisations.
+    replicas (``place_batch``, e.g. ``jax.make_array_from_process_local_data``, places
+    it instead when given). ``per_replica_params``: for optimizers whose replicas hold
+    different parameters between synchronisations (``cj.diloco``).
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], params: Any,
@@ -254,47 +242,32 @@ class DataParallel:
         self.n = int(mesh.shape[AXIS])
         self.tx = tx
         self.per_replica_params = per_replica_params
-        self._loss_fn = loss_fn
-        self._place_batch = place_batch
-        self.opt_state = cj.shard_state(tx.init(params), mesh, AXIS)
-        self._specs = cj.state_specs(self.opt_state, AXIS)
-        if per_replica_params:
-            stacked = jax.tree_util.tree_map(lambda p: jnp.stack([p] * self.n), params)
-            self.params = jax.device_put(stacked, NamedSharding(mesh, P(AXIS)))
-            pspec = P(AXIS)
-        else:
-            self.params = jax.device_put(params, _replicated(mesh))
-            pspec = P()
-        self.step_count = 0
+        self.dp = cj.data_parallel(loss_fn, tx, mesh, axis_name=AXIS,
+                                   per_replica_params=per_replica_params)
+        self.state = self.dp.init(params)
+        self._place_batch = place_batch or self.dp.place_batch
         self._compiled = None
-        self._pspec = pspec
 
-        def local_step(params, opt_state, batch):
-            if per_replica_params:
-                params = jax.tree_util.tree_map(lambda a: a[0], params)
-            loss, grads = jax.value_and_grad(loss_fn)(cj.vary(params, AXIS), batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            if per_replica_params:
-                params = jax.tree_util.tree_map(lambda a: a[None], params)
-            return params, opt_state, loss[None]
+    @property
+    def params(self) -> Any:
+        return self.state.params
 
-        self._step = jax.jit(_compat.shard_map(
-            local_step, mesh=mesh, in_specs=(pspec, self._specs, P(AXIS)),
-            out_specs=(pspec, self._specs, P(AXIS)),
-        ))
+    @property
+    def opt_state(self) -> Any:
+        return self.state.opt_state
+
+    @property
+    def step_count(self) -> int:
+        return int(np.asarray(jax.device_get(self.state.step)))
 
     def shard_batch(self, batch: Any) -> Any:
-        """The global batch as arrays split over the replicas (``place_batch`` if given,
-        e.g. ``jax.make_array_from_process_local_data`` with several processes)."""
-        if self._place_batch is not None:
-            return self._place_batch(batch)
-        return jax.device_put(batch, NamedSharding(self.mesh, P(AXIS)))
+        """The global batch as arrays split over the replicas."""
+        return self._place_batch(batch)
 
     def compile(self, batch: Any):
         """Compile the step for batches shaped like ``batch`` (ahead of time)."""
         if self._compiled is None:
-            self._compiled = self._step.lower(self.params, self.opt_state, self.shard_batch(batch)).compile()
+            self._compiled = self.dp.lower(self.state, self.shard_batch(batch)).compile()
         return self._compiled
 
     def hlo_bytes(self, batch: Any) -> float:
@@ -304,10 +277,9 @@ class DataParallel:
     def step(self, batch: Any) -> np.ndarray:
         """One step; returns every replica's loss (host array)."""
         fn = self.compile(batch)
-        self.params, self.opt_state, losses = fn(self.params, self.opt_state, self.shard_batch(batch))
+        self.state, (losses, _) = fn(self.state, self.shard_batch(batch))
         # One multi-device step in flight at a time (the CPU runtime can deadlock).
         jax.block_until_ready(losses)
-        self.step_count += 1
         return local_values(losses)
 
     def eval_params(self) -> Any:
@@ -319,31 +291,23 @@ class DataParallel:
     def replicas_in_sync(self, rtol: float = 0.0) -> bool:
         """Whether every device holds the same parameters (reads each device's own copy):
         bit-identical with ``rtol=0``, else within ``rtol`` of the largest magnitude."""
+        if rtol == 0.0:
+            return self.dp.replicas_identical(self.state)
         for leaf in jax.tree_util.tree_leaves(self.params):
-            # Each device's own copy (per-replica params: each device's own row).
             shards = [np.asarray(s.data) for s in leaf.addressable_shards]
             for other in shards[1:]:
-                if rtol == 0.0:
-                    if not np.array_equal(shards[0], other):
-                        return False
-                elif np.max(np.abs(shards[0] - other), initial=0.0) > rtol * max(
+                if np.max(np.abs(shards[0] - other), initial=0.0) > rtol * max(
                         1.0, float(np.max(np.abs(shards[0]), initial=0.0))):
                     return False
         return True
 
-    # -- checkpoints ------------------------------------------------------------------
-
-    def checkpoint_tree(self) -> dict:
-        return {"params": self.params, "opt_state": self.opt_state,
-                "step": np.asarray(self.step_count, np.int64)}
+    # -- checkpoints: the whole TrainState (params, optimizer state, step, key) ---------
 
     def save(self, ckpt: Any, metadata: Optional[dict] = None) -> None:
-        ckpt.save(self.step_count, self.checkpoint_tree(), metadata=metadata)
+        ckpt.save(self.step_count, {"train_state": self.state}, metadata=metadata)
 
     def restore(self, ckpt: Any) -> int:
-        tree = ckpt.restore(self.checkpoint_tree())
-        self.params, self.opt_state = tree["params"], tree["opt_state"]
-        self.step_count = int(tree["step"])
+        self.state = ckpt.restore({"train_state": self.state})["train_state"]
         return self.step_count
 
 

@@ -615,9 +615,10 @@ def onebit_lamb(
     required in ``update``, and ``eps`` defaults to ``1e-6`` as in LAMB.
 
     Args:
-      learning_rate, b1, b2, eps, warmup_steps, axis_name, block_size, var_floor,
-        max_update_ratio, bias_correction, min_compress_size, compress_vectors,
-        num_replicas: as in :func:`onebit_adam`.
+      learning_rate: as in :func:`onebit_adam`, and so are ``b1``, ``b2``, ``eps``,
+        ``warmup_steps``, ``axis_name``, ``block_size``, ``var_floor``,
+        ``max_update_ratio``, ``bias_correction``, ``min_compress_size``,
+        ``compress_vectors`` and ``num_replicas``.
       weight_decay: added to the adaptive step before the trust ratio (LAMB).
       min_coeff, max_coeff: clipping range of the trust ratio ``||w|| / ||u||``.
       coeff_beta: decay of the running average of the warm-up trust ratios, in

@@ -1,0 +1,181 @@
+"""Measure before adopting: exact vs compressed train steps on *your* devices.
+
+    python -m commjax.bench --params 50e6                       # every local device
+    python -m commjax.bench --params 5e6 --devices 8            # 8 simulated CPU devices
+    python -m commjax.bench --params 200e6 --distributed        # one process per host
+
+For a model of about ``--params`` parameters (``--layers`` square matrices), each
+compressor's step (``cj.data_parallel`` of ``chain(cj.compressed_mean(c), sgd)``) is
+compiled and timed, next to the exact fp32 mean and a floor with no exchange at all
+(each replica applies its own gradient). The table gives, per step and device:
+
+* ``bytes``: what the compiled HLO sends (:meth:`commjax.DataParallel.collectives`);
+* ``step``: median wall time of ``--steps`` steps;
+* ``speedup``: ``t_exact / t``;
+* ``bound``: the speedup its bytes alone would allow. With ``t0`` the floor's step and
+  ``bw = B_exact / (t_exact - t0)`` the bandwidth the exact step achieved,
+  ``bound = t_exact / (t0 + B / bw)``; ``speedup / bound`` is the share of it reached
+  (below 1: the codec's encode/decode costs more than its bytes save).
+
+Timing is of whatever runs here (devices, processes, links): on simulated CPU devices
+the "link" is memory, where compression rarely pays; the point is to run it where the
+training will run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from commjax import _compat
+from commjax.compressors import cast, identity, powersgd, quantize, sign, top_k
+from commjax.step import data_parallel
+from commjax.transform import compressed_mean
+
+__all__ = ["Row", "run", "main", "COMPRESSORS"]
+
+#: The compressors ``--compressors`` can name.
+COMPRESSORS = {
+    "bf16": lambda: cast(jnp.bfloat16),
+    "int8": lambda: quantize(8),
+    "int4": lambda: quantize(4),
+    "sign": lambda: sign(),
+    "powersgd4": lambda: powersgd(4),
+    "topk1pct": lambda: top_k(0.01),
+}
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table (per device and step)."""
+
+    method: str
+    bytes: float
+    step_s: float
+    speedup: float = float("nan")
+    bound: float = float("nan")
+
+
+def _model(num_params: float, layers: int, seed: int = 0) -> dict:
+    """``layers`` square matrices of about ``num_params`` parameters in all."""
+    d = max(8, int(round((num_params / layers) ** 0.5)))
+    keys = jax.random.split(jax.random.PRNGKey(seed), layers)
+    return {f"w{i}": jax.random.normal(k, (d, d), jnp.float32) / np.sqrt(d)
+            for i, k in enumerate(keys)}
+
+
+def _loss(params: dict, x: jax.Array) -> jax.Array:
+    for i in range(len(params)):
+        x = jnp.tanh(x @ params[f"w{i}"])
+    return jnp.mean(x * x)
+
+
+def _time(dp: Any, params: dict, batch: jax.Array, steps: int) -> tuple[float, float]:
+    """``(median step seconds, HLO bytes per step and device)`` after two warm-up steps."""
+    state = dp.init(params)
+    report = dp.collectives(state, batch)
+    placed = dp.place_batch(batch)
+    times = []
+    for t in range(steps + 2):
+        t0 = time.perf_counter()
+        state, loss = dp.step(state, placed)
+        # One multi-device step in flight at a time (CPU collectives can deadlock).
+        jax.block_until_ready(loss)
+        if t >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)), report.total_ring_bytes
+
+
+def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
+        layers: int = 4, steps: int = 10, batch_per_replica: int = 8,
+        mesh: Optional[jax.sharding.Mesh] = None) -> list[Row]:
+    """Time the floor (no exchange), the exact mean and each compressor; see the module
+    docstring for the columns. ``mesh``: default, one ``"data"`` axis over every device
+    (every process's, under ``jax.distributed``)."""
+    if mesh is None:
+        mesh = _compat.make_mesh((jax.device_count(),), ("data",))
+    params = _model(num_params, layers)
+    d = params["w0"].shape[0]
+    n = int(mesh.shape["data"])
+    batch = jax.random.normal(jax.random.PRNGKey(1), (n * batch_per_replica, d))
+    unknown = sorted(set(compressors) - set(COMPRESSORS))
+    if unknown:
+        raise ValueError(f"bench.run: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
+    floor = data_parallel(_loss, optax.sgd(1e-3), mesh, per_replica_params=True)
+    t0, _ = _time(floor, params, batch, steps)
+    rows = [Row("no exchange (floor)", 0.0, t0)]
+    runs = [("exact fp32 mean", identity())] + [(c, COMPRESSORS[c]()) for c in compressors]
+    for label, codec in runs:
+        tx = optax.chain(compressed_mean(codec, "data"), optax.sgd(1e-3))
+        t, b = _time(data_parallel(_loss, tx, mesh), params, batch, steps)
+        rows.append(Row(label, b, t))
+    exact = rows[1]
+    bw = exact.bytes / (exact.step_s - t0) if exact.step_s > t0 else float("inf")
+    for r in rows:
+        r.speedup = exact.step_s / r.step_s
+        r.bound = exact.step_s / (t0 + r.bytes / bw) if bw > 0 else float("nan")
+    return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The rows as a fixed-width text table."""
+    head = f"{'method':<22} {'bytes/step':>12} {'step':>9} {'speedup':>8} {'bound':>8} {'reached':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        reached = r.speedup / r.bound if r.bound and np.isfinite(r.bound) else float("nan")
+        lines.append(f"{r.method:<22} {r.bytes / 1e6:>9.2f} MB {r.step_s * 1e3:>6.1f} ms "
+                     f"{r.speedup:>7.2f}x {r.bound:>7.2f}x {100 * reached:>7.0f}%")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m commjax.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=10e6, help="model parameters (default 10e6)")
+    p.add_argument("--layers", type=int, default=4, help="square matrices (default 4)")
+    p.add_argument("--compressors", nargs="+", default=["int8", "int4", "sign", "powersgd4"],
+                   choices=sorted(COMPRESSORS), help="compressors to time besides the exact mean")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")
+    p.add_argument("--batch", type=int, default=8, help="rows per replica (default 8)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulate this many CPU devices (sets XLA_FLAGS and re-runs itself)")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (one process per host)")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    flag = f"--xla_force_host_platform_device_count={args.devices}"
+    if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
+        # The device count is fixed when JAX starts its CPU backend: start again with it.
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(),
+                   JAX_PLATFORMS="cpu")
+        os.execve(sys.executable, [sys.executable, "-m", "commjax.bench", *argv], env)
+    if args.distributed:
+        jax.distributed.initialize()
+    rows = run(args.params, compressors=args.compressors, layers=args.layers,
+               steps=args.steps, batch_per_replica=args.batch)
+    if jax.process_index() == 0:
+        print(f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+              f"{jax.process_count()} process(es), ~{args.params:.3g} parameters")
+        print(table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
