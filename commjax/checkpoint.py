@@ -1,9 +1,13 @@
-"""Saving and restoring training state with orbax, bit for bit.
+"""Saving and restoring training state with orbax, bit for bit: a convenience.
 
-A commjax optimizer state is a pytree of arrays only (step counters, a raw PRNG key,
-per-replica error-feedback residuals, replicated compressor state such as PowerSGD's
-factors), so orbax can store it like any other pytree. The helpers here add three things
-on top of ``orbax.checkpoint.CheckpointManager``:
+Every commjax state (and :class:`commjax.TrainState`) is a pytree of arrays with no
+zero-size array, so orbax's standard handlers save it as it is, into a
+``CheckpointManager`` of your own::
+
+    mgr.save(step, args=ocp.args.StandardSave(state))
+    state = mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+Nothing here is needed for that. :class:`Checkpointer` adds conveniences on top:
 
 * **Any pytree, any container type.** The tree is stored as a flat, ordered list of
   leaves plus the list of their pytree paths; restoring unflattens into the structure of

@@ -294,6 +294,19 @@ def _tx_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh,
     return state, axes, upd
 
 
+def _check_trace_args(where: str, tx: Any, mesh: Any, axis_name: Any) -> None:
+    """The transform, mesh and axis a layout trace needs, with the fix in the message."""
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"{where}: `tx` must be an optax transform (with init and update), "
+                        f"got {tx!r}.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"{where}: `mesh` must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    missing = sorted(_axis_names(axis_name) - set(mesh.axis_names))
+    if missing:
+        raise ValueError(f"{where}: `axis_name` {axis_name!r} names axes {missing} that the mesh "
+                         f"does not have (its axes: {tuple(mesh.axis_names)}).")
+
+
 def infer_per_replica(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
                       per_replica_params: bool = False) -> Any:
     """Which leaves of ``tx``'s state are per replica, found by tracing (never running)
@@ -320,6 +333,7 @@ def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, 
     """``(per-replica mask of the state, whether the updates vary over axis_name)`` from
     one trace of ``tx`` (:func:`infer_per_replica`). Updates that vary with replicated
     parameters mean ``tx`` averages nothing: the replicas would drift apart."""
+    _check_trace_args("trace_update", tx, mesh, axis_name)
     state, axes, upd = _tx_layout(tx, params, mesh, per_replica_params)
     names = _axis_names(axis_name)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]

@@ -237,6 +237,10 @@ def test_bad_arguments_name_the_fix(mesh4):
     state = dp.init(init_params())
     with pytest.raises(ValueError, match="divisible by the 4 replicas"):
         dp.step(state, (jnp.zeros((6, DIM)), jnp.zeros((6,), jnp.int32)))
+    with pytest.raises(TypeError, match="`tx` must be an optax transform"):
+        cj.infer_per_replica("adam", init_params(), mesh4, AX)
+    with pytest.raises(ValueError, match="names axes \\['model'\\]"):
+        cj.init_sharded(inner_tx(), init_params(), mesh4, "model")
     with pytest.raises(ValueError, match="`every_k` must be a positive integer"):
         cj.accumulate(inner_tx(), 0)
     with pytest.raises(ValueError, match="`every_k` .* is required"):
