@@ -292,14 +292,6 @@ class DataParallel:
                              "state.params.")
         return nnx.merge(self._nnx.model_def, state.params)
 
-    def replica_params(self, state: TrainState, replica: int = 0) -> Any:
-        """One replica's parameters (host arrays), read from that replica's own device."""
-        def one(leaf):
-            shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
-            row = np.asarray(shards[replica].data)
-            return row[0] if self.per_replica_params else row
-        return jax.tree_util.tree_map(one, state.params)
-
     def replicas_identical(self, state: TrainState) -> bool:
         """Whether every device holds bit-identical parameters (each device's own copy)."""
         for leaf in jax.tree_util.tree_leaves(state.params):
