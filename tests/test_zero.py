@@ -100,13 +100,13 @@ def test_exact_zero_adam_equals_data_parallel_adam(task, dp_adam, mode):
 
 
 CODECS = {
-    "int8": dict(grad_codec=q(8), weight_codec=q(8)),  # stochastic weights too
+    # plain (not delta) stochastic int8 weights: the weight_delta=False path
+    "int8_plain": dict(grad_codec=q(8), weight_codec=q(8), weight_delta=False),
     "qwd4_hadamard": dict(grad_codec=cj.hadamard(q(4)), weight_codec=q(4, False)),
-    "plain_w4": dict(grad_codec=q(4), weight_codec=q(4, False), weight_delta=False),
     "cast_sign_ef": dict(grad_codec=cj.sign(block_size=64), weight_codec=cj.cast(),
                          grad_error_feedback=True),
 }
-NO_VMA = {"plain_w4", "cast_sign_ef"}  # also run under shard_map(check_vma=False)
+NO_VMA = {"int8_plain", "cast_sign_ef"}  # also run under shard_map(check_vma=False)
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -301,7 +301,7 @@ def test_bad_inputs_get_named_errors(task, mesh):
 
 
 def test_params_that_differ_between_replicas_are_refused(task, mesh):
-    fn, params, state, x, y = cached_stepper("int8", task, mesh)  # params typed per replica
+    fn, params, state, x, y = cached_stepper("qwd4_hadamard", task, mesh)  # params per replica
     params = jax.tree_util.tree_map(lambda a: a.at[2].add(1e-3), params)
     with pytest.raises(Exception, match="parameters differ between replicas"):
         jax.block_until_ready(fn(params, state, x, y))
