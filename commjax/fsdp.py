@@ -25,9 +25,9 @@ of not keeping every layer's full weights alive between the passes), with the sa
 the recomputed weights are the forward ones and the gradient is the same. Whether the
 compiled program really gathers twice is XLA's choice: XLA on CPU (JAX 0.10) merges the
 two identical gathers, so the step sends the weights once and keeps them alive.
-Stochastic codecs need a ``key`` that is the same on every replica. Inside ``lax.scan`` over stacked layers,
-the stacked shards ``[L, s]`` are scanned like any other array (fold the layer index into
-the key).
+Stochastic codecs need a ``key`` that is the same on every replica. Inside ``lax.scan``
+over stacked layers, the stacked shards ``[L, s]`` are scanned like any other array (fold
+the layer index into the key).
 
 Helpers lay out a parameter tree: :func:`fsdp_shard` (full -> padded flat global shards),
 :func:`fsdp_unshard` (back), :func:`fsdp_like` (the shapes to gather into),
@@ -44,6 +44,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from commjax import _compat, collectives as cc
@@ -276,7 +277,14 @@ def fsdp_gather(
         out[i] = g
     comp = [i for i, r in enumerate(routes) if r]
     if comp:
-        got = cc.all_gather([leaves[i] for i in comp], axis_name, codec, grad_codec=grad_codec,
+        parts = [leaves[i] for i in comp]
+        if exact:
+            # The exact gather first on every device: independent collectives may start in
+            # different orders on different devices and deadlock per-collective runtimes.
+            got, parts = lax.optimization_barrier((got, parts))
+            for i, g in zip(exact, got):
+                out[i] = g
+        got = cc.all_gather(parts, axis_name, codec, grad_codec=grad_codec,
                             key=key, inner_axis_name=inner_axis_name, inner_codec=inner_codec,
                             inner_grad_codec=inner_grad_codec)
         for i, g in zip(comp, got):
