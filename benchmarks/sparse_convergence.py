@@ -8,6 +8,10 @@ model of four 1024x1024 matrices (tests/test_sparse.py and tests/test_dgc.py che
 these analytic counts equal the compiled HLO's).
 
     python benchmarks/sparse_convergence.py [--steps 100] [--out benchmarks/results/sparse_convergence.json]
+
+Each row also gives the 4M model's compression ratio at 8, 16, 32 and 64 replicas: the
+all-gather of top-k payloads grows with the replica count, the two-phase reducer's does
+not.
 """
 
 from __future__ import annotations
@@ -43,22 +47,26 @@ FOUR_M = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in rang
 
 
 def methods(steps: int) -> list[tuple[str, optax.GradientTransformation, callable]]:
-    def chain(comp, ef=True):
+    def chain(comp, ef=True, reducer="auto"):
         return optax.chain(
-            compressed_mean(comp, "data", error_feedback=ef, min_compress_size=MIN_COMPRESS),
+            compressed_mean(comp, "data", error_feedback=ef, min_compress_size=MIN_COMPRESS,
+                            reducer=reducer),
             optax.sgd(LR, momentum=MOMENTUM),
         )
 
-    def plan_of(comp):
-        return lambda params: communication_plan(comp, params, N, min_compress_size=MIN_COMPRESS)
+    def plan_of(comp, reducer="auto"):
+        return lambda params, n=N: communication_plan(comp, params, n, min_compress_size=MIN_COMPRESS,
+                                                      reducer=reducer)
 
-    def dgc_plan(params):
-        return dgc_communication_plan(params, N, ratio=0.01, min_compress_size=MIN_COMPRESS)
+    def dgc_plan(params, n=N):
+        return dgc_communication_plan(params, n, ratio=0.01, min_compress_size=MIN_COMPRESS)
 
     tk_small = top_k(0.01, chunk_size=4096, values_dtype=jnp.bfloat16)
     return [
         ("exact mean (fp32 all-reduce)", chain(identity()), plan_of(identity())),
         ("top_k 1% + error feedback", chain(top_k(0.01)), plan_of(top_k(0.01))),
+        ("top_k 1% + EF, two-phase (select per destination, owner keeps 4%)",
+         chain(top_k(0.01), reducer="two_phase"), plan_of(top_k(0.01), "two_phase")),
         ("top_k 1% without error feedback", chain(top_k(0.01), ef=False), plan_of(top_k(0.01))),
         ("top_k 1% + EF, bf16 values, uint16 offsets (chunk 4096)", chain(tk_small), plan_of(tk_small)),
         ("random_k 1% + error feedback", chain(random_k(0.01)), plan_of(random_k(0.01))),
@@ -111,11 +119,13 @@ def main(argv=None) -> int:
             "compression_ratio": round(plan.compression_ratio, 3),
             "bytes_per_step_4M_model": plan_4m.bytes_per_step,
             "compression_ratio_4M_model": round(plan_4m.compression_ratio, 3),
+            "compression_ratio_4M_model_by_replicas": {
+                n: round(plan_fn(FOUR_M, n).compression_ratio, 3) for n in (8, 16, 32, 64)},
             "replicas_identical": _bit_identical(res.replica_params),
             "loss_curve": [_num(x) for x in res.losses],
         }
         rows.append(row)
-        print(f"{name:58s} loss {res.final_loss:.4f}  gap {(res.final_loss - exact_loss) / exact_loss:+.3f}  "
+        print(f"{name:70s} loss {res.final_loss:.4f}  gap {(res.final_loss - exact_loss) / exact_loss:+.3f}  "
               f"{row['bytes_per_step']:>9,.0f} B/step ({row['compression_ratio']:.1f}x; "
               f"4M model {row['compression_ratio_4M_model']:.1f}x)  "
               f"identical={row['replicas_identical']}  [{time.time() - t0:.0f}s]", flush=True)

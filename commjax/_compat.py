@@ -125,6 +125,11 @@ def vary(tree: Any, axis_name: Any) -> Any:
     respect to ``vary(params, axis)`` keeps it per-replica.
     """
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    unbound = [n for n in names if not axis_is_bound(n)]
+    if unbound:
+        raise NameError(
+            f"vary: mesh axis {unbound[0]!r} is not bound here. Call cj.vary(params, axis) inside "
+            "the jax.shard_map (or jax.pmap) that binds the axis, with the axis name of its mesh.")
 
     def one(x: Any) -> Any:
         vma = _vma_of(x)

@@ -63,6 +63,7 @@ from commjax import _compat, bucket as flat_bucket
 from commjax.guards import check_bound
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import BlockCompressor, Compressor, Segment
+from commjax.compressors.sparse import TopK
 
 __all__ = [
     "all_gather",
@@ -183,11 +184,12 @@ def decode_rows(codec: Compressor, words: jax.Array, c: int) -> jax.Array:
     return jax.vmap(lambda w: codec.decode(w, c))(words)
 
 
-def decode_sum(codec: Compressor, words: jax.Array, c: int) -> jax.Array:
-    """``sum_r decode(words[r], c)`` over the leading axis, in replica order from fp32 zeros:
-    every replica that holds the same words computes the same bits (the codecs' fused
-    unpack + dequantize + sum kernel where there is one)."""
-    return codec.decode_sum(words, c)
+def decode_sum(codec: Compressor, words: jax.Array, c: int, divide: int = 1) -> jax.Array:
+    """``sum_r decode(words[r], c) / divide`` over the leading axis, in replica order from
+    fp32 zeros, each value divided before it is added (a representable mean never
+    overflows): every replica that holds the same words computes the same bits (the
+    codecs' fused unpack + dequantize + sum kernel where there is one)."""
+    return codec.decode_sum(words, c, divide=divide)
 
 
 # ------------------------------------------------------------------ tree <-> flat items
@@ -381,12 +383,16 @@ def all_gather(
 # ------------------------------------------------------------------ reduce_scatter
 
 
-def _scatter_impl(tree, axis_name, codec, key, residual):
-    """``reduce_scatter`` (sum) over one axis; returns ``(out, new_residual or None)``."""
+def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
+    """``reduce_scatter`` over one axis, the sum divided by ``divide`` (each value before it
+    is added); returns ``(out, new_residual or None)``."""
     n = _compat.axis_size(axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
-    exact = (lambda v: lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True))
+    def exact(v):
+        out = lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True)
+        return out if divide == 1 else (out / divide).astype(out.dtype)
+
     if _is_exact(codec):
         out = [exact(l) for l in leaves]
         new_res = None if residual is None else [jnp.zeros_like(r) for r in res_leaves]
@@ -402,7 +408,7 @@ def _scatter_impl(tree, axis_name, codec, key, residual):
         got = _compat.all_to_all(jnp.concatenate(words, axis=1), axis_name)  # [N, W]
         off = 0
         for it in items:
-            total = decode_sum(codec, got[:, off:off + it.words], it.padded)[:it.size]
+            total = decode_sum(codec, got[:, off:off + it.words], it.padded, divide)[:it.size]
             shape = (it.shape[0] // n,) + it.shape[1:]
             out[it.index] = total.reshape(shape).astype(it.dtype)
             off += it.words
@@ -444,16 +450,14 @@ class _ScatterConfig:
 
 
 def _scatter_two_level(tree, cfg: _ScatterConfig, key, residual=None):
+    """Inner axis first (its own codec), then the outer axis; with ``mean`` each level
+    divides by its own size before summing."""
     if cfg.inner_axis_name is not None:
         inner_key = None if key is None else jax.random.fold_in(key, 2)
-        tree, _ = _scatter_impl(tree, cfg.inner_axis_name, cfg.inner_codec, inner_key, None)
-    out, new_res = _scatter_impl(tree, cfg.axis_name, cfg.codec, key, residual)
-    if cfg.mean:
-        n = _compat.axis_size(cfg.axis_name)
-        if cfg.inner_axis_name is not None:
-            n *= _compat.axis_size(cfg.inner_axis_name)
-        out = jax.tree_util.tree_map(lambda v: (v / n).astype(v.dtype), out)
-    return out, new_res
+        inner = _compat.axis_size(cfg.inner_axis_name) if cfg.mean else 1
+        tree, _ = _scatter_impl(tree, cfg.inner_axis_name, cfg.inner_codec, inner_key, None, inner)
+    outer = _compat.axis_size(cfg.axis_name) if cfg.mean else 1
+    return _scatter_impl(tree, cfg.axis_name, cfg.codec, key, residual, outer)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -543,6 +547,9 @@ def reduce_scatter(
 
 
 # ----------------------------------------------------------------- all_reduce reducers
+
+#: Density multiplier of a top-k two-phase owner's re-selection (see :class:`TwoPhase`).
+SERVER_DENSITY = 4.0
 
 
 class PartsResult(NamedTuple):
@@ -659,7 +666,7 @@ class AllGather(Reducer):
                                  server_residual)
         words, outs = _local_parts(codec, parts, segments, residuals, key)
         got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
-        means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size)[:s.size] / num_replicas
+        means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size, num_replicas)[:s.size]
                  for s in segments]
         return PartsResult(means, outs, _empty(server_residual))
 
@@ -669,7 +676,7 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
     x = _joined(parts, segments, residuals)
     words, local = codec.encode_and_decode(x, key, segments)
     got = _compat.all_gather_invariant(words, axis_name, tiled=False)
-    mean = codec.decode_sum(got, x.shape[0], segments) / num_replicas
+    mean = codec.decode_sum(got, x.shape[0], segments, divide=num_replicas)
     outs = flat_bucket.cut(local if residuals is None else x - local, segments)
     return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual))
 
@@ -686,8 +693,25 @@ class TwoPhase(Reducer):
     """
 
     name: ClassVar[str] = "two_phase"
+    #: Codec of the owner's re-encoding of its chunk. ``None``: the same codec, except
+    #: top-k, whose owner keeps :data:`SERVER_DENSITY` times its density: the chunk's sum
+    #: holds up to ``N`` times more entries than each replica sent, and re-selecting only
+    #: ``k`` of them cost the non-i.i.d. benchmark task twice the loss gap of the all-gather
+    #: (benchmarks/results/sparse_convergence.json).
+    server_codec: Optional[Compressor] = None
+
+    def _server(self, codec: Compressor) -> Compressor:
+        if self.server_codec is not None:
+            return self.server_codec
+        if isinstance(codec, TopK):
+            return dataclasses.replace(codec, ratio=min(1.0, SERVER_DENSITY * codec.ratio))
+        return codec
 
     def why_not(self, codec):
+        server = self._server(codec)
+        if isinstance(codec, BlockCompressor) and (
+                not isinstance(server, BlockCompressor) or server.alignment != codec.alignment):
+            return "its server codec must be a block codec with the same block size"
         if codec.shared_randomness or (codec.linear and not isinstance(codec, BlockCompressor)):
             return "its payload is summed by an all-reduce (a linear exchange)"
         return None
@@ -701,8 +725,9 @@ class TwoPhase(Reducer):
     def bytes(self, codec, n, num_replicas, segments=None):
         m = self.padded_length(codec, n, num_replicas)
         chunk = codec.payload_bytes(m // num_replicas)
+        server = self._server(codec).payload_bytes(m // num_replicas)
         return ring_bytes("all-to-all", num_replicas * chunk, num_replicas) + ring_bytes(
-            "all-gather", chunk, num_replicas)
+            "all-gather", server, num_replicas)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
                server_residual=None, server_error_feedback=True):
@@ -715,14 +740,15 @@ class TwoPhase(Reducer):
             rows = jnp.concatenate(words).reshape(num_replicas, -1)
         else:
             rows, outs = _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas)
+        server = self._server(codec)
         gathered, new_server = _two_phase_exchange(
-            codec, rows, m // num_replicas, axis_name, num_replicas, key, server_residual,
+            codec, server, rows, m // num_replicas, axis_name, num_replicas, key, server_residual,
             server_error_feedback)
-        if isinstance(codec, BlockCompressor):
-            means = [codec.decode(_segment_words(codec, gathered, s), s.padded_size)[:s.size]
+        if isinstance(server, BlockCompressor):
+            means = [server.decode(_segment_words(server, gathered, s), s.padded_size)[:s.size]
                      for s in segments]
         else:
-            full = decode_rows(codec, gathered.reshape(num_replicas, -1), m // num_replicas)
+            full = decode_rows(server, gathered.reshape(num_replicas, -1), m // num_replicas)
             means = flat_bucket.cut(full.reshape(-1), segments)
         return PartsResult(means, outs, new_server)
 
@@ -745,17 +771,17 @@ def _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas):
     return words, flat_bucket.cut(e.reshape(-1), segments)
 
 
-def _two_phase_exchange(codec, rows, chunk, axis_name, num_replicas, key, server_residual,
+def _two_phase_exchange(codec, server, rows, chunk, axis_name, num_replicas, key, server_residual,
                         server_error_feedback):
     """All-to-all of the ``[N, w]`` destination rows, decode + sum + re-encode the chunk
     this replica owns, all-gather. Returns the gathered words (``[N * w]``) of the mean of
     the whole bucket and the new server residual."""
     received = _compat.all_to_all(rows, axis_name)
-    mine = decode_sum(codec, received, chunk) / num_replicas
+    mine = decode_sum(codec, received, chunk, num_replicas)
     keep = server_residual is not None and server_error_feedback
     server_in = mine + server_residual.astype(jnp.float32) if keep else mine
     server_key = None if key is None else jax.random.fold_in(key, 0x5E7)
-    words, local = codec.encode_and_decode(server_in, server_key)
+    words, local = server.encode_and_decode(server_in, server_key)
     if keep:
         new_server = (server_in - local).astype(server_residual.dtype)
     else:
@@ -915,19 +941,23 @@ def _one_replica(codec, parts, segments, key, residuals, server_residual):
 
 def exact_mean(parts: Sequence[jax.Array], axis_name: Any, num_replicas: int,
                extra: Sequence[jax.Array] = ()) -> tuple[list[jax.Array], list[jax.Array]]:
-    """The exact fp32 mean of flat ``parts`` in one all-reduce (the *exact bucket*: joined
-    as whole rows, :mod:`commjax.bucket`), and of the ``extra`` arrays as further operands
-    of the same collective (uncopied). ``axis_name=None``: no collective. Bytes:
-    ``2 (N-1)/N * 4 * (sum of sizes)``."""
-    parts = [jnp.ravel(p).astype(jnp.float32) for p in parts]
+    """The exact mean of real ``parts`` (flattened) in one all-reduce (the *exact bucket*:
+    joined as whole rows, :mod:`commjax.bucket`): in fp32, or in float64 when a part is
+    float64; and of the ``extra`` arrays as further operands of the same collective
+    (uncopied). ``axis_name=None``: no collective. Bytes: ``2 (N-1)/N * 4 * elements`` (8
+    per element in float64)."""
+    # float64 parts keep their precision: then the whole bucket is float64 (XLA would
+    # widen an fp32 operand beside it anyway, and the plan counts what travels).
+    dtype = jnp.float64 if any(jnp.dtype(jnp.result_type(p)) == jnp.float64 for p in parts) else jnp.float32
+    flat = [jnp.ravel(p).astype(dtype) for p in parts]
     extra = [e.astype(jnp.float32) for e in extra]
     if not parts and not extra:
         return [], []
-    bucket = flat_bucket.concat(parts) if parts else jnp.zeros((0,), jnp.float32)
+    bucket = flat_bucket.concat(flat) if flat else jnp.zeros((0,), dtype)
     if axis_name is not None:
         bucket, *extra = [v / num_replicas for v in _compat.psum([bucket] + list(extra), axis_name)]
     out, pos = [], 0
-    for p in parts:
+    for p in flat:
         out.append(bucket[pos:pos + p.shape[0]])
         pos += p.shape[0]
     return out, list(extra)

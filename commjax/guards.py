@@ -58,7 +58,7 @@ def check_unreduced(leaves: Sequence[Any], axis_name: Any, where: str) -> None:
         return  # check_vma=False or pmap: nothing is tracked
     names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     for leaf in leaves:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             continue
         vma = _compat.varying_axes(leaf)
         if vma is not None and not names <= set(vma):

@@ -28,6 +28,7 @@ from commjax.accounting import exact_mean_bytes, ring_bytes
 from commjax.collectives import choose_reducer
 from commjax.compressors.base import Compressor, Segment
 from commjax.exchanges import exchange_for
+from commjax.validation import check_positive_int
 
 __all__ = ["CommunicationPlan", "make_plan", "communication_plan", "route_leaf"]
 
@@ -49,6 +50,9 @@ class CommunicationPlan:
     compressor_name: str
     compressed_bytes: float
     exact_bytes: float
+    #: The :class:`commjax.collectives.Reducer` behind ``reducer`` (None: an exchange or
+    #: one replica).
+    reducer_impl: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def num_compressed(self) -> int:
@@ -83,6 +87,14 @@ class CommunicationPlan:
         )
 
 
+def exact_elements(dtype: Any, size: int) -> tuple[int, bool]:
+    """``(elements, wide)`` of a leaf in the exact bucket: a complex leaf travels as its real
+    and imaginary parts (twice the elements); ``wide`` for float64 precision."""
+    d = jnp.dtype(dtype)
+    cplx = jnp.issubdtype(d, jnp.complexfloating)
+    return (2 * size if cplx else size), d.itemsize // (2 if cplx else 1) == 8
+
+
 def route_leaf(
     shape: Sequence[int],
     dtype: Any,
@@ -91,6 +103,10 @@ def route_leaf(
     compress_vectors: bool,
     compressor: Optional[Compressor] = None,
 ) -> str:
+    if jnp.issubdtype(dtype, jnp.complexfloating) or jnp.dtype(dtype).itemsize > 4:
+        # Complex leaves travel as their real and imaginary parts, float64 ones in float64:
+        # exactly, never through a codec built for fp32.
+        return EXACT if jnp.issubdtype(dtype, jnp.inexact) else PASS
     if not jnp.issubdtype(dtype, jnp.floating):
         return PASS
     size = int(np.prod(shape)) if len(shape) else 1
@@ -112,8 +128,10 @@ def make_plan(
     check_finite: bool = True,
 ) -> CommunicationPlan:
     """Plan the exchange of ``leaves`` (arrays or ``jax.ShapeDtypeStruct``)."""
+    check_positive_int("num_replicas", num_replicas, factory="communication_plan")
     routes, shapes, segments = [], [], []
     offset = exact = 0
+    wide = False
     align = compressor.alignment
     for leaf in leaves:
         shape = tuple(int(d) for d in jnp.shape(leaf))
@@ -127,12 +145,14 @@ def make_plan(
             segments.append(Segment(offset, size, padded, shape))
             offset += padded
         elif r == EXACT:
-            exact += size
+            elements, is_wide = exact_elements(jnp.result_type(leaf), size)
+            exact += elements
+            wide = wide or is_wide
     if check_finite and segments:
         exact += len(segments)
     n = offset
     exchange = exchange_for(compressor)
-    server = 0
+    server, obj = 0, None
     if exchange is not None:
         red = "custom" if num_replicas > 1 else "none"
         comp_bytes = exchange.bytes(compressor, segments, num_replicas) if n and num_replicas > 1 else 0.0
@@ -141,7 +161,8 @@ def make_plan(
         red = "none" if obj is None else obj.name
         comp_bytes = obj.bytes(compressor, n, num_replicas, segments) if n and obj else 0.0
         server = obj.server_residual_size(compressor, n, num_replicas) if obj else 0
-    exact_bytes = ring_bytes("all-reduce", 4 * exact, num_replicas) if exact else 0.0
+    # One bucket: fp32, or float64 throughout when a float64 leaf is in it.
+    exact_bytes = ring_bytes("all-reduce", (8 if wide else 4) * exact, num_replicas) if exact else 0.0
     return CommunicationPlan(
         routes=tuple(routes),
         shapes=tuple(shapes),
@@ -154,6 +175,7 @@ def make_plan(
         compressor_name=compressor.name,
         compressed_bytes=float(comp_bytes),
         exact_bytes=float(exact_bytes),
+        reducer_impl=obj,
     )
 
 

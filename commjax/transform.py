@@ -34,7 +34,7 @@ import optax
 from jax import lax
 
 from commjax import _compat, bucket as flat_bucket, guards, validation
-from commjax.collectives import check_reducer, exact_mean, get_reducer, reduce_parts
+from commjax.collectives import check_reducer, exact_mean, reduce_parts
 from commjax.compressors.base import Compressor
 from commjax.exchanges import exchange_for
 from commjax.guards import AxisNotBoundError
@@ -141,20 +141,72 @@ def _validate(cfg: ExchangeConfig, leaves, state: CompressedMeanState):
     plan = cfg.plan(leaves, n_rep)
     if cfg.axis_name is not None:
         guards.check_unreduced(leaves, cfg.axis_name, "compressed_mean")
+    _check_state(cfg, plan, state, n_rep)
+    return plan, n_rep
+
+
+def _check_state(cfg: ExchangeConfig, plan: CommunicationPlan, state, n_rep: int) -> None:
+    """The state must be what ``init`` makes for these gradients, compressor and replica
+    count, in its local (per-replica) view: say which of these differs."""
+    if not isinstance(state, CompressedMeanState):
+        raise TypeError(f"compressed_mean: `state` must be the CompressedMeanState made by "
+                        f"init(); got {type(state).__name__}.")
+    want_cs = jax.eval_shape(lambda: _exchange_state(cfg, plan, n_rep))
+    got_cs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), state.compressor_state)
+    if jax.tree_util.tree_structure(got_cs) != jax.tree_util.tree_structure(want_cs) or any(
+            a.shape != b.shape for a, b in zip(jax.tree_util.tree_leaves(got_cs), jax.tree_util.tree_leaves(want_cs))):
+        raise ValueError(
+            f"compressed_mean: the state's compressor_state does not fit {cfg.compressor.name}: was "
+            "the state made by init() of a transform with another compressor, options or parameters?")
     want = _residual_shapes(cfg, plan)
     have = tuple(tuple(jnp.shape(r)) for r in state.residual)
     if have != want:
-        raise ValueError(
-            f"compressed_mean: the state's residual holds arrays of shapes {have} but these "
-            f"gradients need {want} (one per compressed leaf): was the state made by init() "
-            "for other parameters or other options?")
-    if jnp.size(state.server_residual) != plan.server_residual_size:
+        raise ValueError(f"compressed_mean: {_residual_mismatch(have, want, n_rep)}")
+    if cfg.axis_name is not None and _replicated_residual(state, cfg.axis_name):
+        raise ValueError(f"compressed_mean: {_LAYOUT_HINT}")
+    if _size_of(state.server_residual) != plan.server_residual_size:
+        if _size_of(state.server_residual) == n_rep * plan.server_residual_size:
+            raise ValueError(f"compressed_mean: {_LAYOUT_HINT}")
         raise ValueError(
             "compressed_mean: the state was initialised for a different number of replicas "
-            f"(server residual of {jnp.size(state.server_residual)} elements, {n_rep} replicas "
+            f"(server residual of {_size_of(state.server_residual)} elements, {n_rep} replicas "
             f"need {plan.server_residual_size}). Pass num_replicas={n_rep} to compressed_mean, "
             "or create the state with cj.init_sharded(tx, params, mesh, axis_name).")
-    return plan, n_rep
+
+
+def _replicated_residual(state, axis_name) -> bool:
+    """Under ``check_vma=True``: a per-replica leaf typed replicated (laid out ``P()``), so
+    every replica would leave with one replica's residual."""
+    tracked = _compat.varying_axes(lax.axis_index(axis_name))
+    if not tracked:
+        return False
+    names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    leaves = list(state.residual) + jax.tree_util.tree_leaves(state.server_residual)
+    return any(not names <= set(_compat.varying_axes(r) or ()) for r in leaves)
+
+
+def _size_of(server_residual) -> int:
+    """Elements of the server residual (``()`` when the reducer keeps none)."""
+    return int(server_residual.shape[0]) if hasattr(server_residual, "shape") else 0
+
+
+_LAYOUT_HINT = (
+    "the state's per-replica leaves are not laid out per replica here (the global view, or "
+    "replicated P()): lay the state out with cj.shard_state(state, mesh, axis) (or create it "
+    "with cj.init_sharded) and pass cj.state_specs(state, axis) as its shard_map "
+    "in_specs/out_specs (P(axis) for per-replica leaves).")
+
+
+def _residual_mismatch(have, want, n_rep: int) -> str:
+    """Why the residual shapes differ, in the terms of the likely cause."""
+    if len(have) == len(want) and have and all(h[0] == n_rep * w[0] for h, w in zip(have, want)):
+        return _LAYOUT_HINT
+    if len(have) == len(want) and have and all(h[0] * n_rep == w[0] for h, w in zip(have, want)):
+        return ("each gradient leaf holds 1/N of what the state was made for: are the parameters "
+                "sharded over the axis (P(axis))? Data-parallel parameters are replicated (P()).")
+    return (f"the state's residual holds arrays of shapes {have} but these gradients need "
+            f"{want} (one per compressed leaf): was the state made by init() for other "
+            "parameters or other options?")
 
 
 def _inner_mean(cfg: ExchangeConfig, leaves, plan: CommunicationPlan) -> list:
@@ -184,15 +236,33 @@ def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: in
     local_ok = [guards.all_finite(leaves[i]) for i in comp_idx] if cfg.check_finite else []
     flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok]
     direct = comp_idx if _direct(cfg, plan) else []
-    axis = cfg.axis_name
-    means, extra = exact_mean([leaves[i] for i in exact_idx] + flags, axis, n_rep,
-                              extra=[leaves[i] for i in direct])
-    out = {i: m.reshape(plan.shapes[i]).astype(leaves[i].dtype) for i, m in zip(exact_idx, means)}
+    parts, owners = [], []
+    for i in exact_idx:  # complex leaves as their real and imaginary parts
+        pieces = _real_parts(leaves[i])
+        parts += pieces
+        owners += [i] * len(pieces)
+    means, extra = exact_mean(parts + flags, cfg.axis_name, n_rep, extra=[leaves[i] for i in direct])
+    out = {i: _from_real_parts([m for m, o in zip(means, owners) if o == i], leaves[i])
+           for i in exact_idx}
     out.update(zip(direct, extra))
     # `!= 0` is also True for a NaN flag.
-    global_bad = [f[0] != 0 for f in means[len(exact_idx):]] if cfg.check_finite else []
+    global_bad = [f[0] != 0 for f in means[len(parts):]] if cfg.check_finite else []
     bucket = means[0] if means else None
     return _Exact(out, local_ok, global_bad, bucket)
+
+
+def _real_parts(leaf) -> list:
+    """A leaf as real arrays: itself, or a complex leaf's real and imaginary parts."""
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+        return [jnp.real(leaf), jnp.imag(leaf)]
+    return [leaf]
+
+
+def _from_real_parts(means: list, leaf):
+    """The inverse of :func:`_real_parts`, in the leaf's shape and dtype."""
+    if len(means) == 2:
+        return (means[0] + 1j * means[1]).reshape(leaf.shape).astype(leaf.dtype)
+    return means[0].reshape(leaf.shape).astype(leaf.dtype)
 
 
 def _direct(cfg: ExchangeConfig, plan: CommunicationPlan) -> bool:
@@ -207,9 +277,10 @@ class _Compressed(NamedTuple):
     metrics: dict
 
 
-def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact, any_bad) -> _Compressed:
+def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _Compressed:
     """Encode and reduce the compressed leaves (each its own padded part; the joined
-    float bucket is never written for block codecs), with error feedback."""
+    float bucket is never written for block codecs), with error feedback. Returns the new
+    states as computed: a non-finite step's are discarded by :func:`_update`."""
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
     segs = plan.segments
     parts = [jnp.pad(jnp.ravel(leaves[i]).astype(jnp.float32), (0, s.padded_size - s.size))
@@ -239,19 +310,14 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact, any_
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
             shared_key=keys[0], count=state.count)
         new_res = [] if residuals is None else [x[:s.size] - l for x, l, s in zip(xs, locals_, segs)]
-        cs = guards.keep_if(any_bad, state.compressor_state, cs) if cfg.check_finite else cs
         return _Compressed(means, new_res, state.server_residual, cs, comp_metrics)
     server = state.server_residual if plan.server_residual_size else None
     res = reduce_parts(
-        cfg.compressor, None if plan.reducer == "none" else get_reducer(plan.reducer), parts, segs,
+        cfg.compressor, plan.reducer_impl, parts, segs,
         axis_name=cfg.axis_name, num_replicas=n_rep, key=keys[1], residuals=residuals,
         server_residual=server, server_error_feedback=cfg.server_error_feedback,
         shared_key=keys[0])
-    new_server = state.server_residual
-    if server is not None:
-        new_server = res.server_residual
-        if cfg.check_finite:
-            new_server = jnp.where(any_bad, server, new_server)
+    new_server = state.server_residual if server is None else res.server_residual
     return _Compressed(res.means, res.residuals if residuals is not None else [], new_server,
                        state.compressor_state, comp_metrics)
 
@@ -264,18 +330,35 @@ def _with_residuals(parts, residuals, segments):
                                for p, r, s in zip(parts, residuals, segments)])
 
 
-def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Compressed], n_rep):
-    """Outputs in the leaves' shapes and dtypes, NaN on every replica for a non-finite
-    leaf, and the new residuals (the old ones kept on such a leaf)."""
+def _means(cfg, plan, exact: _Exact, comp: Optional[_Compressed], n_rep) -> list:
+    """Each compressed leaf's mean (flat, or in its shape when sent directly)."""
+    comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
+    if comp is None:
+        return [exact.out[i] for i in comp_idx]
+    if cfg.axis_name is not None and n_rep == 1:
+        return [_compat.psum(m, cfg.axis_name) for m in comp.means]  # types it replicated
+    return list(comp.means)
+
+
+def _bad_flags(cfg, exact: _Exact, means: list) -> list:
+    """Per compressed leaf, replicated: non-finite on some replica before the exchange, or
+    a non-finite mean after it (an overflow, a block that could not be encoded). The mean is
+    identical on every replica, so every replica decides the same."""
+    if not cfg.check_finite:
+        return []
+    return [jnp.logical_or(b, jnp.logical_not(guards.all_finite(m)))
+            for b, m in zip(exact.global_bad, means)]
+
+
+def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Compressed], means, bad):
+    """Outputs in the leaves' shapes and dtypes, NaN on every replica for a flagged leaf,
+    and the new residuals (the old ones kept on such a leaf)."""
     out = list(leaves)
     for i, v in exact.out.items():
         out[i] = v
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
-    bad = exact.global_bad
     for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
-        m = out[i] if comp is None else comp.means[k]
-        if comp is not None and cfg.axis_name is not None and n_rep == 1:
-            m = _compat.psum(m, cfg.axis_name)  # no reducer ran: a free psum types it replicated
+        m = means[k]
         if cfg.check_finite:
             # An addition, not a select: a select between the decode and the optimizer's
             # `p - lr * m` changes whether the compiler contracts them into a multiply-add,
@@ -308,15 +391,19 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     replica_key = step_key if cfg.axis_name is None else jax.random.fold_in(
         step_key, lax.axis_index(cfg.axis_name))
     exact = _exact_stage(cfg, leaves, plan, n_rep)
-    any_bad = jnp.any(jnp.stack(exact.global_bad)) if exact.global_bad else jnp.zeros((), bool)
     comp = None
     if plan.segments and not _direct(cfg, plan):
-        comp = _compressed_stage(cfg, leaves, plan, state, (step_key, replica_key), n_rep, exact, any_bad)
-    out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, n_rep)
+        comp = _compressed_stage(cfg, leaves, plan, state, (step_key, replica_key), n_rep, exact)
+    means = _means(cfg, plan, exact, comp, n_rep)
+    bad = _bad_flags(cfg, exact, means)
+    any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
+    out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, means, bad)
+    server, cs = state.server_residual, state.compressor_state
+    if comp is not None:
+        server, cs = guards.keep_if(any_bad, (server, cs), (comp.server_residual, comp.compressor_state))
     new_state = CompressedMeanState(
-        count=state.count + 1, key=state.key, residual=residual,
-        server_residual=state.server_residual if comp is None else comp.server_residual,
-        compressor_state=state.compressor_state if comp is None else comp.compressor_state,
+        count=state.count + 1, key=state.key, residual=residual, server_residual=server,
+        compressor_state=cs,
         metrics=_metrics(cfg, residual, any_bad, {} if comp is None else comp.metrics),
     )
     return jax.tree_util.tree_unflatten(treedef, out), new_state
@@ -410,10 +497,23 @@ def compressed_mean(
     if exchange is None:
         check_reducer(compressor, reducer)
     factory = "compressed_mean"
+    axis_name = validation.check_axis_name("axis_name", axis_name, factory=factory)
+    inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory=factory)
     validation.check_axis_pair(axis_name, inner_axis_name, factory=factory)
+    for name, value in (("error_feedback", error_feedback), ("compress_vectors", compress_vectors),
+                        ("server_error_feedback", server_error_feedback),
+                        ("check_finite", check_finite)):
+        validation.check_bool(name, value, factory=factory)
+    seed = validation.check_seed("seed", seed, factory=factory)
+    if error_feedback and getattr(compressor, "rescale", False):
+        raise ValueError(
+            "compressed_mean: random_k(rescale=True) is unbiased on its own; with error feedback "
+            "the rescaled estimate overshoots and the residual grows without bound. Pass "
+            "error_feedback=False, or random_k(rescale=False) with error feedback.")
     validation.check_int("min_compress_size", min_compress_size, 1, factory=factory)
-    validation.check_dtype("residual_dtype", residual_dtype, ("float32", "bfloat16", "float16"),
-                           factory=factory)
+    # float16 is refused: its range (65504) overflows with loss-scaled gradients, and an
+    # infinite residual would poison every later mean of its leaf.
+    validation.check_dtype("residual_dtype", residual_dtype, ("float32", "bfloat16"), factory=factory)
     if num_replicas is not None:
         validation.check_positive_int("num_replicas", num_replicas, factory=factory)
     cfg = ExchangeConfig(
@@ -435,16 +535,21 @@ def compressed_mean(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _exchange_state(cfg: ExchangeConfig, plan: CommunicationPlan, n_rep: int):
+    """The compressor's exchange state at init (``()`` when a reducer carries it)."""
+    exchange = exchange_for(cfg.compressor)
+    if exchange is None or not plan.segments:
+        return ()
+    return exchange.init_state(cfg.compressor, plan.segments, n_rep,
+                               jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0xC0DE))
+
+
 def _init(cfg: ExchangeConfig, params) -> CompressedMeanState:
     leaves = jax.tree_util.tree_leaves(params)
     n_rep = _num_replicas_now(cfg)
     plan = cfg.plan(leaves, n_rep)
     key = jax.random.PRNGKey(cfg.seed)
-    exchange = exchange_for(cfg.compressor)
-    comp_state = ()
-    if exchange is not None and plan.segments:
-        comp_state = exchange.init_state(cfg.compressor, plan.segments, n_rep,
-                                         jax.random.fold_in(key, 0xC0DE))
+    comp_state = _exchange_state(cfg, plan, n_rep)
     names = ("residual_norm", "nonfinite") + tuple(cfg.compressor.metric_names)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),

@@ -45,8 +45,10 @@ def check_positive_int(name: str, value: Any, *, factory: str) -> int:
 
 
 def check_choice(name: str, value: Any, allowed: Sequence[Any], *, factory: str) -> Any:
-    """One of ``allowed``."""
-    if value not in allowed:
+    """One of ``allowed``; among integer choices an integer (``4.0`` or ``True`` is not ``4``
+    or ``1``, as ``==`` would say)."""
+    ints = all(_is_int(a) for a in allowed)
+    if (ints and not _is_int(value)) or value not in allowed:
         raise ValueError(
             f"{factory}: `{name}` must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
     return value
@@ -86,6 +88,26 @@ def check_dtype(name: str, value: Any, allowed: Sequence[str], *, factory: str) 
         raise ValueError(
             f"{factory}: `{name}` must be one of {', '.join('jnp.' + a for a in allowed)}; got {value!r}.")
     return jnp.dtype(value)
+
+
+def check_seed(name: str, value: Any, *, factory: str) -> int:
+    """Any integer (NumPy integers too), as ``jax.random.PRNGKey`` takes."""
+    if not _is_int(value):
+        raise ValueError(f"{factory}: `{name}` must be an integer, got {value!r}.")
+    return int(value)
+
+
+def check_axis_name(name: str, value: Any, *, factory: str, allow_none: bool = True) -> Any:
+    """A mesh axis name (a string), a tuple/list of them, or ``None`` where allowed."""
+    if value is None and allow_none:
+        return None
+    names = value if isinstance(value, (tuple, list)) else (value,)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        none = " or None (one replica, no collective)" if allow_none else ""
+        raise ValueError(
+            f"{factory}: `{name}` must be a mesh axis name such as \"data\", a tuple of names{none}; "
+            f"got {value!r}.")
+    return normalize_axis(value)
 
 
 def normalize_axis(axis_name: Any) -> Any:

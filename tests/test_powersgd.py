@@ -116,8 +116,9 @@ def test_matrix_views():
     assert matrix_shape((3, 3, 8, 16), 2) == (9, 128)
     assert matrix_shape((3, 3, 8, 16), -2) == (9, 128)
     assert matrix_shape((3, 3, 8, 16), 1) == (3, 384)
-    assert matrix_shape((5, 7), 3) == (5, 7)  # clamped: both sides keep a dim
-    assert matrix_shape((5, 7), -3) == (5, 7)
+    for k in (3, -3, 2, -2):  # no rows or no columns left: an error, not a silent clamp
+        with pytest.raises(ValueError, match="matrix_dims.*mapping"):
+            matrix_shape((5, 7), k)
     c = powersgd(4, matrix_dims={4: 2})
     assert c.matrix_shape((3, 3, 8, 16)) == (9, 128)
     assert c.matrix_shape((2, 5, 6)) == (10, 6)  # rank 3 not in the mapping: default

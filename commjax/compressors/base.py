@@ -128,15 +128,19 @@ class Compressor:
         raise NotImplementedError
 
     def decode_sum(
-        self, payloads: jax.Array, n: int, segments: Optional[Sequence[Segment]] = None
+        self, payloads: jax.Array, n: int, segments: Optional[Sequence[Segment]] = None,
+        *, divide: int = 1,
     ) -> jax.Array:
-        """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
+        """``sum_r decode(payloads[r], n) / divide`` over the leading (replica) axis of
         ``uint32[N, payload_words(n)]``, in replica order from fp32 zeros: every replica
-        that holds the same payloads computes the same bits. Codecs with a fused unpack +
-        dequantize + sum kernel override it."""
+        that holds the same payloads computes the same bits. Each decoded value is divided
+        *before* it is added, so a mean (``divide = N``) that fp32 can hold is returned even
+        where the sum could not be. Codecs with a fused unpack + dequantize + sum kernel
+        override it (and fold ``divide`` into each block's step)."""
         total = jnp.zeros((n,), jnp.float32)
         for r in range(payloads.shape[0]):
-            total = total + self.decode(payloads[r], n, segments)
+            value = self.decode(payloads[r], n, segments)
+            total = total + (value if divide == 1 else value / divide)
         return total
 
     # Linear compressors only.

@@ -114,7 +114,10 @@ def cast(dtype: Any = jnp.bfloat16) -> Cast:
 
         tx = optax.chain(cj.compressed_mean(cj.cast(jnp.bfloat16), "data"), optax.sgd(0.1))
     """
-    name = jnp.dtype(dtype).name
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
     if name not in _CAST_DTYPES:
         raise ValueError(
             f"cast: `dtype` must be jnp.bfloat16 or jnp.float16, got {dtype!r}. "

@@ -109,11 +109,11 @@ class Hadamard(BlockCompressor):
         inner = self.codec.decode_blocks(rows.reshape(-1, self.codec.row_words))
         return rotate(inner.reshape(nb, self.block), self.size)
 
-    def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
+    def decode_sum(self, payloads: jax.Array, n: int, segments=None, *, divide: int = 1) -> jax.Array:
         """``R sum_r C.decode(payloads[r])``: the wrapped codec's (fused) sum in replica
         order, then one inverse rotation. Every replica that holds the same payloads
         computes the same bits."""
-        return rotate(self.codec.decode_sum(payloads, n), self.size)
+        return rotate(self.codec.decode_sum(payloads, n, divide=divide), self.size)
 
     def encode_linear(self, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
         return self.codec.encode_linear(rotate(x, self.size), key)

@@ -118,9 +118,10 @@ def matrix_shape(shape: Sequence[int], matrix_dims: Any = None) -> tuple[int, in
     ``matrix_dims``: ``None`` (last dim is the columns, all others the rows: a flax
     ``Dense`` kernel ``(in, out)`` or ``Conv`` kernel ``(h, w, in, out)`` becomes
     ``(h w in) x out``); an int ``k``, the number of leading dims that form the rows
-    (negative: counted from the end, ``-1`` is the default), clamped so that both sides
-    keep at least one dim; or a mapping ``{ndim: k}`` that applies per number of dims
-    (other ranks use the default).
+    (negative: counted from the end, ``-1`` is the default), which must leave at least one
+    dim on each side of every compressed leaf (``0 < k < ndim`` or ``-ndim < k < 0``; else a
+    ``ValueError`` names the leaf); or a mapping ``{ndim: k}`` that applies per number of
+    dims (other ranks use the default).
     """
     shape = tuple(int(d) for d in shape)
     nd = len(shape)
@@ -132,7 +133,11 @@ def matrix_shape(shape: Sequence[int], matrix_dims: Any = None) -> tuple[int, in
     if k is None:
         k = -1
     split = k if k >= 0 else nd + k
-    split = min(max(split, 1), nd - 1)
+    if not 1 <= split <= nd - 1:
+        raise ValueError(
+            f"powersgd: `matrix_dims`={matrix_dims!r} leaves no rows or no columns for a leaf of "
+            f"shape {shape}: an int k takes the first k dims as rows (0 < k < {nd}, or "
+            f"-{nd} < k < 0). For leaves of several ranks give a mapping {{ndim: k}}.")
     return math.prod(shape[:split]), math.prod(shape[split:])
 
 

@@ -31,6 +31,7 @@ from jax import lax
 from commjax import kernels as _kernels
 from commjax import noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
+from commjax.validation import check_bool
 from commjax.kernels.reference import safe_recip
 from commjax.packing import packed_words
 
@@ -106,7 +107,7 @@ class _ScaledCodec(BlockCompressor):
         each value rounded to fp32 (no multiply-add with what the caller does next)."""
         return _kernels.decode_rows(rows, **self._decode_options())
 
-    def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
+    def decode_sum(self, payloads: jax.Array, n: int, segments=None, *, divide: int = 1) -> jax.Array:
         """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
         ``uint32[N, payload_words(n)]``: what a reducer computes from the payloads it
         receives, in one fused kernel (:func:`commjax.kernels.decode_sum`).
@@ -116,7 +117,10 @@ class _ScaledCodec(BlockCompressor):
         without kernels and on every replica.
         """
         rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
-        return _kernels.decode_sum(rows, **self._decode_options()).reshape(n)
+        opts = self._decode_options()
+        if divide != 1:  # folded into each block's step: values divided before the sum
+            opts["divisor"] = (opts["divisor"] or 1) * int(divide)
+        return _kernels.decode_sum(rows, **opts).reshape(n)
 
 
 def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, levels: int,
@@ -196,8 +200,16 @@ class QSGD(_ScaledCodec):
         return self.num_levels
 
     def encode_blocks(self, blocks, key, start=0):
-        norm = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=1))
-        c = (self.num_levels * safe_recip(norm))[:, None]
+        # ||x|| as amax * ||x / amax||: no overflow of the squares for |x| > 1.8e19.
+        amax = jnp.max(jnp.abs(blocks), axis=1)
+        # XLA divides by a row constant as a product with its reciprocal, which is
+        # subnormal (flushed to zero on CPU) past 2**126: scale huge rows by 2**-64 first.
+        f = jnp.where(amax > 2.0 ** 64, 2.0 ** -64, 1.0)[:, None]
+        unit = (blocks * f) / (jnp.where(amax > 0, amax, 1.0)[:, None] * f)
+        norm = amax * jnp.sqrt(jnp.sum(jnp.square(unit), axis=1))
+        # A norm past the fp32 range cannot travel: NaN, so the block is flagged, not zeroed.
+        norm = jnp.where(jnp.isinf(norm), jnp.nan, norm)
+        c = safe_recip(norm, float(self.num_levels))[:, None]
         lv = jnp.clip(_round_levels(jnp.abs(blocks), c, key, True, start), 0, self.num_levels) * jnp.sign(blocks)
         return self._pack(lv, norm)
 
@@ -266,7 +278,8 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
     check_choice("bits", bits, (8, 4, 2), factory="quantize")
     check_positive_int("block_size", block_size, factory="quantize")
     _kernels.check_impl(kernels, "quantize", "kernels")
-    return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=bool(stochastic),
+    stochastic = check_bool("stochastic", stochastic, factory="quantize")
+    return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=stochastic,
                     kernels=kernels)
 
 

@@ -63,13 +63,17 @@ class Sign(BlockCompressor):
         """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`)."""
         return _kernels.decode_rows(rows, **self._decode_options())
 
-    def decode_sum(self, payloads: jax.Array, n: int, segments=None) -> jax.Array:
+    def decode_sum(self, payloads: jax.Array, n: int, segments=None, *, divide: int = 1) -> jax.Array:
         """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
         ``uint32[N, payload_words(n)]``: what a reducer computes from the payloads it
         receives, in one fused kernel (:func:`commjax.kernels.decode_sum`), in replica
-        order and in fp32 from zeros."""
+        order and in fp32 from zeros; ``divide`` is folded into each block's step (see
+        :meth:`commjax.compressors.Compressor.decode_sum`)."""
         rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
-        return _kernels.decode_sum(rows, **self._decode_options()).reshape(n)
+        opts = self._decode_options()
+        if divide != 1:
+            opts["divisor"] = int(divide)
+        return _kernels.decode_sum(rows, **opts).reshape(n)
 
 
 def sign(block_size: int = 256, *, kernels: Optional[str] = None) -> Sign:

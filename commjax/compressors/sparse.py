@@ -47,6 +47,7 @@ from jax import lax
 
 from commjax.compressors.base import Compressor, Segment, check_choice
 from commjax.compressors.exact import cast, identity
+from commjax.validation import check_bool
 
 __all__ = [
     "TopK",
@@ -367,7 +368,8 @@ def top_k(
     if not (0.0 < float(recall_target) <= 1.0):
         raise ValueError(f"top_k: `recall_target` must be in (0, 1], got {recall_target!r}.")
     return TopK(
-        ratio=r, approximate=bool(approximate), scope=scope, values_dtype_name=vname,
+        ratio=r, approximate=check_bool("approximate", approximate, factory="top_k"), scope=scope,
+        values_dtype_name=vname,
         chunk_size=chunk_size, recall_target=float(recall_target),
     )
 
@@ -524,7 +526,8 @@ def random_k(ratio: float = 0.01, *, rescale: bool = False, values_dtype: Any = 
     """
     r = _check_ratio(ratio, factory="random_k")
     vname = _value_dtype_name(values_dtype, factory="random_k")
-    return RandomK(ratio=r, rescale=bool(rescale), values_dtype_name=vname)
+    return RandomK(ratio=r, rescale=check_bool("rescale", rescale, factory="random_k"),
+                   values_dtype_name=vname)
 
 
 # --------------------------------------------------------------------------- threshold

@@ -78,11 +78,18 @@ class _Step:
     def left(self, ms, ps):  # [G, n, r] = M_j^T P_j
         return jnp.stack([transposed_product(m, ps[j]) for j, m in enumerate(ms)])
 
-    def finish(self, ps, qs, new_state):
+    def finish(self, ps, qs, new_state, raw=()):
+        """``M_hat = P Q^T`` per leaf; NaN for a leaf whose all-reduced factors (``raw``: per
+        group, ``[G, k, r]`` arrays) are not finite: an overflow would otherwise be
+        orthogonalized away into a silent zero."""
         mean = [None] * len(self.segments)
-        for g, p, q in zip(self.groups, ps, qs):
+        for gi, (g, p, q) in enumerate(zip(self.groups, ps, qs)):
             for j, i in enumerate(g.members):
-                mean[i] = low_rank_product(p[j], q[j]).reshape(-1)
+                m = low_rank_product(p[j], q[j]).reshape(-1)
+                if raw:
+                    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f[gi][j])) for f in raw]))
+                    m = m + jnp.where(ok, 0.0, jnp.nan)
+                mean[i] = m
         local = mean if self.axis is None else [_compat.vary(m, self.axis) for m in mean]
         return mean, local, new_state
 
@@ -98,24 +105,25 @@ class _Step:
             else:
                 qs.append(shared_uniform(self.shared, 2 * gi, (len(g.members), g.n, g.r)))
         qs = c.orth_all(qs)
-        ps = c.orth_all(self.mean([self.right(ms, q) for ms, q in zip(self.mats, qs)]))
+        raw = self.mean([self.right(ms, q) for ms, q in zip(self.mats, qs)])
+        ps = c.orth_all(raw)
         qs = self.mean([self.left(ms, p) for ms, p in zip(self.mats, ps)])
         new = PowerSGDState(q=tuple(qs), p=()) if c.warm_start else self.state
-        return self.finish(ps, qs, new)
+        return self.finish(ps, qs, new, (raw, qs))
 
     def p_step(self, _):
         # P = M_bar Q^ with the stored orthonormal Q^: M_hat = M_bar Q^ Q^^T.
         st, c = self.state, self.c
         ps = self.mean([self.right(ms, q) for ms, q in zip(self.mats, st.q)])
         new_p = tuple(c.orth_all([reseed(p, self.shared, 2 * gi + 1, c.epsilon) for gi, p in enumerate(ps)]))
-        return self.finish(ps, st.q, PowerSGDState(q=st.q, p=new_p))
+        return self.finish(ps, st.q, PowerSGDState(q=st.q, p=new_p), (ps,))
 
     def q_step(self, _):
         # Q = M_bar^T P^ with the stored orthonormal P^: M_hat = P^ P^^T M_bar.
         st, c = self.state, self.c
         qs = self.mean([self.left(ms, p) for ms, p in zip(self.mats, st.p)])
         new_q = tuple(c.orth_all([reseed(q, self.shared, 2 * gi, c.epsilon) for gi, q in enumerate(qs)]))
-        return self.finish(st.p, qs, PowerSGDState(q=new_q, p=st.p))
+        return self.finish(st.p, qs, PowerSGDState(q=new_q, p=st.p), (qs,))
 
 
 class PowerSGDExchange(Exchange):

@@ -45,9 +45,11 @@ __all__ = [
 ]
 
 
-def safe_recip(s: jax.Array) -> jax.Array:
-    """``1 / s``, and 0 where ``s == 0`` (an all-zero block)."""
-    return jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+def safe_recip(s: jax.Array, numerator: float = 1.0) -> jax.Array:
+    """``numerator / s``, and 0 where ``s == 0`` (an all-zero block). One quotient, not
+    ``numerator * (1 / s)``: ``1 / s`` is subnormal for ``s > 2**126`` and CPUs flush it to
+    zero, which encoded every block of a huge gradient as zeros."""
+    return jnp.where(s > 0, numerator / jnp.where(s > 0, s, 1.0), 0.0)
 
 
 # --------------------------------------------------------------------------- quantize
@@ -61,7 +63,15 @@ def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: int):
     """
     y = x if residual is None else x + residual.astype(jnp.float32)
     scale = jnp.max(jnp.abs(y), axis=1)
-    return scale, levels * safe_recip(scale), scale / levels
+    # XLA's CPU max drops NaN inside some fusions: a NaN element makes its block's scale
+    # NaN explicitly, so the block decodes to NaN instead of a finite code.
+    scale = jnp.where(jnp.any(jnp.isnan(y), axis=1), jnp.nan, scale)
+    # Where L / s would be subnormal (flushed to zero on CPU) the block cannot be encoded:
+    # its scale travels as NaN, so it decodes to NaN on every replica and is flagged, never
+    # silently zero.
+    if levels * 2.0 ** 126 < float(jnp.finfo(jnp.float32).max):
+        scale = jnp.where(scale > levels * 2.0 ** 126, jnp.nan, scale)
+    return scale, safe_recip(scale, float(levels)), scale / levels
 
 
 def quantize_reference(
@@ -100,7 +110,8 @@ def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
     """``float32[nb, 1]``: each row's ``mean |x + e|``, XLA's reduction."""
     if residual is not None:
         x = x + residual.astype(jnp.float32)
-    return jnp.mean(jnp.abs(x), axis=1)[:, None]
+    # Each term divided before the sum: a mean of finite values never overflows.
+    return jnp.sum(jnp.abs(x) * (1.0 / x.shape[1]), axis=1)[:, None]
 
 
 def sign_reference(

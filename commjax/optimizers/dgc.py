@@ -38,7 +38,7 @@ from jax import lax
 
 from commjax import bucket as flat_bucket, guards, validation
 from commjax.accounting import ring_bytes
-from commjax.collectives import exact_mean, get_reducer, reduce_parts
+from commjax.collectives import exact_mean, reduce_parts
 from commjax.compressors.base import Segment
 from commjax.compressors.sparse import TopK, top_k
 from commjax.layout import per_replica
@@ -190,7 +190,7 @@ def _sparse_exchange(cfg: _Config, v, plan, state: DGCState, n_rep: int):
     ``local`` this replica's own sent entries (zeros elsewhere)."""
     segs = plan.segments
     parts = [v[s.offset:s.offset + s.padded_size] for s in segs]
-    red = None if plan.reducer == "none" else get_reducer(plan.reducer)
+    red = plan.reducer_impl
 
     def branch(codec: TopK):
         def reduce(ps):

@@ -1,0 +1,143 @@
+"""No silent drift, no silent poison, every mistake caught with a clear error.
+
+Each test here is a case that once ran and gave wrong numbers without a word, or failed
+with an error a user could not act on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import commjax as cj
+from commjax import _compat
+from commjax.compressors.powersgd import matrix_shape
+
+N = 8
+AX = "data"
+
+
+def step_fn(tx, params, mesh, check_vma=False):
+    """One ``tx.update`` of per-replica gradients ``[N, ...]`` under shard_map."""
+    state = cj.init_sharded(tx, params, mesh, AX)
+    specs = cj.state_specs(state, AX)
+    f = jax.jit(_compat.shard_map(
+        lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s), mesh=mesh,
+        in_specs=(P(AX), specs), out_specs=(P(), specs), check_vma=check_vma))
+    return f, state
+
+
+# ------------------------------------------------------------------------- silent numbers
+
+
+def test_complex_gradients_are_averaged(mesh):
+    g = {"c": (jnp.arange(N * 6.0).reshape(N, 6) + 1j * jnp.arange(N * 6.0)[::-1].reshape(N, 6)
+               ).astype(jnp.complex64),
+         "w": jax.random.normal(jax.random.PRNGKey(0), (N, 64, 64))}
+    f, state = step_fn(cj.compressed_mean(cj.quantize(8), AX), jax.tree_util.tree_map(lambda a: a[0], g), mesh)
+    u, _ = f(g, state)
+    np.testing.assert_allclose(np.asarray(u["c"]), np.asarray(g["c"].mean(0)), rtol=1e-6)
+    assert u["c"].dtype == jnp.complex64
+
+
+@pytest.mark.parametrize("name", ["q8", "sign", "q8_allgather"])
+def test_a_representable_mean_survives_a_sum_that_overflows(mesh, name):
+    """Every replica sends +5e37: the fp32 sum (4e38) overflows, the mean does not."""
+    codec = {"q8": cj.quantize(8), "sign": cj.sign(), "q8_allgather": cj.quantize(8)}[name]
+    reducer = "allgather" if name.endswith("allgather") else "two_phase"
+    g = {"w": jnp.full((N, 64, 64), 5e37, jnp.float32)}
+    f, state = step_fn(cj.compressed_mean(codec, AX, reducer=reducer), {"w": g["w"][0]}, mesh)
+    u, state = f(g, state)
+    np.testing.assert_allclose(np.asarray(u["w"]), 5e37, rtol=1e-5)
+    assert float(state.metrics["nonfinite"][0]) == 0.0
+
+
+@pytest.mark.parametrize("codec", [cj.quantize(2), cj.qsgd(), cj.powersgd(2)],
+                         ids=["q2", "qsgd", "powersgd"])
+def test_what_a_codec_cannot_carry_is_flagged_not_zeroed(mesh, codec):
+    """Past a codec's range (2-bit steps past 2**126, QSGD's norm, PowerSGD's factors),
+    the leaf's mean is NaN on every replica, flagged, and the residuals keep their value."""
+    g = {"w": jnp.full((N, 64, 64), 1e38, jnp.float32)}
+    f, state = step_fn(cj.compressed_mean(codec, AX), {"w": g["w"][0]}, mesh)
+    u, new = f(g, state)
+    assert np.all(np.isnan(np.asarray(u["w"])))
+    assert np.all(np.asarray(new.metrics["nonfinite"]) == 1.0)
+    for a, b in zip(new.residual, state.residual):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_check_finite_false_nan_stays_nan_in_its_block(mesh):
+    g = {"w": jax.random.normal(jax.random.PRNGKey(1), (N, 64, 64)).at[3, 0, 0].set(jnp.nan)}
+    f, state = step_fn(cj.compressed_mean(cj.quantize(8), AX, check_finite=False), {"w": g["w"][0]}, mesh)
+    u, _ = f(g, state)
+    w = np.asarray(u["w"])
+    assert np.isnan(w[0, 0]) and np.isfinite(w[-1, -1])
+
+
+def test_float64_leaves_keep_their_precision(mesh):
+    with jax.enable_x64(True):
+        g = {"d": jnp.arange(N * 40 * 40, dtype=jnp.float64).reshape(N, 40, 40) * (1 + 1e-12)}
+        f, state = step_fn(cj.compressed_mean(cj.identity(), AX), {"d": g["d"][0]}, mesh)
+        u, _ = f(g, state)
+        assert u["d"].dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(u["d"]), np.asarray(g["d"]).mean(0), rtol=1e-14)
+        plan = cj.communication_plan(cj.quantize(8), {"d": g["d"][0]}, N)
+        assert plan.routes == ("exact",)
+        assert cj.collective_bytes(f, g, state).total_ring_bytes == pytest.approx(plan.bytes_per_step)
+
+
+# ------------------------------------------------------------------------- refused options
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: cj.compressed_mean(cj.sign(), residual_dtype=jnp.float16), "residual_dtype"),
+    (lambda: cj.compressed_mean(cj.random_k(0.1, rescale=True)), "error_feedback=False"),
+    (lambda: cj.compressed_mean(cj.sign(), axis_name=3), "axis_name"),
+    (lambda: cj.compressed_mean(cj.sign(), seed="x"), "seed"),
+    (lambda: cj.compressed_mean(cj.sign(), error_feedback="yes"), "error_feedback"),
+    (lambda: cj.quantize(bits=4.0), "bits"),
+    (lambda: cj.quantize(bits=True), "bits"),
+    (lambda: cj.quantize(stochastic="no"), "stochastic"),
+    (lambda: cj.cast("float8"), "dtype"),
+    (lambda: cj.top_k(0.1, approximate=1), "approximate"),
+    (lambda: cj.communication_plan(cj.sign(), {"w": jnp.zeros((4, 4))}, 0), "num_replicas"),
+    (lambda: matrix_shape((5, 7), 5), "matrix_dims"),
+])
+def test_bad_options_are_refused_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_random_k_rescaled_without_feedback_is_accepted():
+    cj.compressed_mean(cj.random_k(0.1, rescale=True), error_feedback=False)
+
+
+# ------------------------------------------------------------------------- state errors
+
+
+def test_state_errors_name_the_cause(mesh):
+    params = {"w": jnp.zeros((64, 64))}
+    g = {"w": jnp.ones((N, 64, 64))}
+    quant = cj.compressed_mean(cj.quantize(8), AX)
+
+    def run(tx, state, specs, grad_spec=P(AX)):
+        f = _compat.shard_map(lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s),
+                              mesh=mesh, in_specs=(grad_spec, specs), out_specs=(P(), specs))
+        return jax.jit(f)(g, state)
+
+    other = cj.init_sharded(cj.compressed_mean(cj.powersgd(2), AX), params, mesh, AX)
+    with pytest.raises(ValueError, match="another compressor"):
+        run(quant, other, cj.state_specs(other, AX))
+    local = quant.init(params)  # never laid out: per-replica leaves carry the global view
+    with pytest.raises(ValueError, match="cj.shard_state"):
+        run(quant, local, jax.tree_util.tree_map(lambda _: P(), local))
+
+
+def test_vary_outside_its_axis_names_the_axis(mesh):
+    with pytest.raises(NameError, match="'dta' is not bound"):
+        jax.jit(_compat.shard_map(lambda p: cj.vary(p, "dta"), mesh=mesh, in_specs=P(),
+                                  out_specs=P()))(jnp.zeros(4))
