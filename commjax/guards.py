@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import sys
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,6 +23,7 @@ __all__ = [
     "check_unreduced",
     "all_finite",
     "keep_if",
+    "check_not_in_replica_conditional",
 ]
 
 
@@ -42,11 +45,13 @@ def unbound_message(axis_name: Any, where: str = "compressed_mean") -> str:
 
 
 def check_bound(axis_name: Any, where: str) -> int:
-    """The size of ``axis_name`` (1 for ``None``), or :class:`AxisNotBoundError`."""
+    """The size of ``axis_name`` (1 for ``None``), or :class:`AxisNotBoundError`; refuses a
+    per-replica conditional around the caller (:func:`check_not_in_replica_conditional`)."""
     if axis_name is None:
         return 1
     if not _compat.axis_is_bound(axis_name):
         raise AxisNotBoundError(unbound_message(axis_name, where))
+    check_not_in_replica_conditional(where)
     return _compat.axis_size(axis_name)
 
 
@@ -86,3 +91,30 @@ def keep_if(bad: jax.Array, old: Any, new: Any) -> Any:
     """``old`` where ``bad`` (a scalar shared by every replica), else ``new``, leaf by leaf:
     a non-finite step leaves the state as it was, identically on every replica."""
     return jax.tree_util.tree_map(lambda o, n: jnp.where(bad, o, n), old, new)
+
+
+#: Wrappers that run their inner transformation under ``lax.cond`` on a predicate computed
+#: from each replica's own gradient: (function name, a part of its file's path).
+_REPLICA_CONDITIONALS = (("do_update", "optax/transforms/_conditionality.py"),)
+
+
+def check_not_in_replica_conditional(where: str) -> None:
+    """Refuse to trace a communicating update inside a conditional whose predicate each
+    replica decides for itself (``optax.apply_if_finite`` wrapped *around* the transform):
+    replicas that disagree would wait for each other in different collectives, which
+    deadlocks (``pmap``, ``check_vma=False``) or fails with JAX's obscure "cond branches"
+    error (``check_vma=True``). Looked up at trace time on the Python call stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        for name, path in _REPLICA_CONDITIONALS:
+            if code.co_name == name and code.co_filename.replace("\\", "/").endswith(path):
+                raise ValueError(
+                    f"{where}: called inside optax.apply_if_finite, which decides per replica "
+                    "(from each replica's own gradient) whether to run it: replicas that "
+                    "disagree would wait in different collectives and hang. Put apply_if_finite "
+                    "after the commjax transform, where every replica sees the same mean: "
+                    "optax.chain(cj.compressed_mean(...), optax.apply_if_finite(opt, k)). A NaN "
+                    "on any replica then makes that mean NaN on every replica, and all skip "
+                    "the step together.")
+        frame = frame.f_back

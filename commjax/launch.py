@@ -71,7 +71,9 @@ class LaunchResult:
         (negative ``-N`` if killed by signal ``N``; ``None`` only if it could not be
         reaped, which should not happen).
       stdout, stderr: per process, everything it wrote (decoded, ``\\n``-joined).
-      failed_process: the first process seen to exit non-zero, or ``None``.
+      failed_process: the process whose failure ended the job: the first seen to exit
+        non-zero by itself, an error code preferred over a signal (its peers abort when it
+        leaves their collectives), or ``None``.
       timed_out: True if the overall time-out expired.
       terminated: ids of the processes the launcher had to stop (SIGTERM/SIGKILL).
       elapsed: wall-clock seconds from the first start to the last exit.
@@ -108,13 +110,23 @@ class LaunchResult:
         """stdout then stderr of one process (for error messages)."""
         return self.stdout[process_id] + ("\n" if self.stdout[process_id] else "") + self.stderr[process_id]
 
+    @property
+    def error(self) -> str:
+        """The failing process's last error line (e.g. ``ValueError: ...``), or ``""``."""
+        if self.failed_process is None:
+            return ""
+        lines = [l for l in self.stderr[self.failed_process].splitlines() if l.strip()]
+        return lines[-1].strip() if lines else ""
+
     def describe(self) -> str:
-        """A one-line summary, e.g. ``process 1 exited with 3; stopped [0, 2]``."""
+        """A one-line summary, e.g. ``process 1 exited with 3 (ValueError: ...); stopped
+        [0, 2]``."""
         parts = []
         if self.failed_process is not None:
+            why = f" ({self.error})" if self.error else ""
             parts.append(
                 f"process {self.failed_process} exited with "
-                f"{_describe_rc(self.returncodes[self.failed_process])}"
+                f"{_describe_rc(self.returncodes[self.failed_process])}{why}"
             )
         if self.timed_out:
             parts.append(f"timed out after {self.elapsed:.1f}s")
@@ -312,6 +324,11 @@ def launch(
     return job.result()
 
 
+#: Seconds a job keeps watching after the first failure before stopping the survivors, so
+#: that the process whose error caused it (not a peer that aborted) is the one reported.
+SETTLE = 1.0
+
+
 class _Job:
     """The children of one :func:`launch`: started, watched, stopped, reported."""
 
@@ -322,6 +339,7 @@ class _Job:
         self.pumps: list[tuple[_Pump, _Pump]] = []
         self.begin = time.monotonic()
         self.failed: int | None = None
+        self.exits: list[int] = []  # children in the order their exit was seen
         self.timed_out = False
         self.terminated: list[int] = []
 
@@ -342,24 +360,37 @@ class _Job:
             self.pumps.append(pair)
 
     def watch(self, deadline: float | None, kill_on_failure: bool) -> None:
-        """Poll until every child exited, one failed (then stop the others, if asked), or
-        the deadline passed (then stop every child)."""
+        """Poll until every child exited, one failed (then, if asked, stop the others once
+        the failure has had :data:`SETTLE` seconds to show which process caused it), or the
+        deadline passed (then stop every child)."""
         everyone = range(len(self.procs))
+        first_failure: float | None = None
         while True:
             codes = [p.poll() for p in self.procs]
-            if self.failed is None:
-                # Report the first failure; among simultaneous ones, the lowest id.
-                self.failed = next((i for i, rc in enumerate(codes) if rc not in (None, 0)), None)
-                if self.failed is not None and kill_on_failure:
-                    self.stop(everyone)
-                    return
+            self.exits += [i for i, rc in enumerate(codes) if rc is not None and i not in self.exits]
+            if first_failure is None and any(rc not in (None, 0) for rc in codes):
+                first_failure = time.monotonic()
+            if first_failure is not None and kill_on_failure and (
+                    time.monotonic() >= first_failure + SETTLE or all(rc is not None for rc in codes)):
+                self.stop(everyone)
+                break
             if all(rc is not None for rc in codes):
-                return
+                break
             if deadline is not None and time.monotonic() >= deadline:
                 self.timed_out = True
                 self.stop(everyone)
-                return
+                break
             time.sleep(0.05)
+        self.failed = self._culprit()
+
+    def _culprit(self) -> int | None:
+        """The process that failed first *of its own accord*: among the children that exited
+        non-zero before being stopped, in the order seen, one that exited with an error
+        code (a Python exception, ``sys.exit``) before one killed by a signal (the others
+        abort when a peer of their collectives disappears)."""
+        own = [i for i in self.exits if self.procs[i].returncode not in (None, 0) and i not in self.terminated]
+        errors = [i for i in own if self.procs[i].returncode > 0]
+        return (errors or own or [None])[0]
 
     def stop(self, ids: Sequence[int]) -> None:
         """SIGTERM the live children among ``ids``, SIGKILL them after the grace period."""

@@ -150,6 +150,8 @@ def make_plan(
             wide = wide or is_wide
     if check_finite and segments:
         exact += len(segments)
+    if compressor.shared_randomness and segments and num_replicas > 1:
+        exact += 4  # replica 0's key, shared through the exact all-reduce
     n = offset
     exchange = exchange_for(compressor)
     server, obj = 0, None

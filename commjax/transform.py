@@ -225,12 +225,15 @@ class _Exact(NamedTuple):
     local_ok: list  # per compressed leaf: finite on this replica
     global_bad: list  # per compressed leaf: non-finite on some replica
     bucket: Any  # the exact all-reduce's result (to sequence the compressed collectives)
+    shared_key: Any  # the step's key as every replica holds it (replica 0's)
 
 
-def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: int) -> _Exact:
+def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: int,
+                 key: jax.Array) -> _Exact:
     """The exact fp32 mean of the exact leaves in one all-reduce, with one NaN flag per
-    compressed leaf riding along; a lossless linear codec (the fp32 identity) sends its
-    leaves as further operands of the same collective."""
+    compressed leaf riding along (and replica 0's key, for codecs whose randomness must be
+    shared); a lossless linear codec (the fp32 identity) sends its leaves as further
+    operands of the same collective."""
     exact_idx = [i for i, r in enumerate(plan.routes) if r == EXACT]
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
     local_ok = [guards.all_finite(leaves[i]) for i in comp_idx] if cfg.check_finite else []
@@ -241,14 +244,36 @@ def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: in
         pieces = _real_parts(leaves[i])
         parts += pieces
         owners += [i] * len(pieces)
-    means, extra = exact_mean(parts + flags, cfg.axis_name, n_rep, extra=[leaves[i] for i in direct])
+    shared = _key_parts(cfg, key, n_rep)
+    means, extra = exact_mean(parts + flags + shared, cfg.axis_name, n_rep,
+                              extra=[leaves[i] for i in direct])
     out = {i: _from_real_parts([m for m, o in zip(means, owners) if o == i], leaves[i])
            for i in exact_idx}
     out.update(zip(direct, extra))
     # `!= 0` is also True for a NaN flag.
-    global_bad = [f[0] != 0 for f in means[len(parts):]] if cfg.check_finite else []
+    global_bad = [f[0] != 0 for f in means[len(parts):len(parts) + len(flags)]]
+    if shared:
+        key = _key_from_parts(means[len(parts) + len(flags):], n_rep)
     bucket = means[0] if means else None
-    return _Exact(out, local_ok, global_bad, bucket)
+    return _Exact(out, local_ok, global_bad, bucket, key)
+
+
+def _key_parts(cfg: ExchangeConfig, key: jax.Array, n_rep: int) -> list:
+    """Replica 0's raw key as four 16-bit halves (exact in fp32), zeros elsewhere: the
+    exact all-reduce then hands every replica the same key, so positions drawn from it
+    (random-k) cannot differ even if processes were given different seeds."""
+    if not cfg.compressor.shared_randomness or cfg.axis_name is None or n_rep <= 1:
+        return []
+    words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    words = jnp.ravel(words).astype(jnp.uint32)[:2]
+    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=1).reshape(-1).astype(jnp.float32)
+    first = (lax.axis_index(cfg.axis_name) == 0).astype(jnp.float32)
+    return [halves * first]
+
+
+def _key_from_parts(means: list, n_rep: int) -> jax.Array:
+    halves = jnp.round(means[0] * n_rep).astype(jnp.uint32).reshape(2, 2)
+    return halves[:, 0] | (halves[:, 1] << 16)
 
 
 def _real_parts(leaf) -> list:
@@ -390,10 +415,10 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     step_key = jax.random.fold_in(state.key, state.count)
     replica_key = step_key if cfg.axis_name is None else jax.random.fold_in(
         step_key, lax.axis_index(cfg.axis_name))
-    exact = _exact_stage(cfg, leaves, plan, n_rep)
+    exact = _exact_stage(cfg, leaves, plan, n_rep, step_key)
     comp = None
     if plan.segments and not _direct(cfg, plan):
-        comp = _compressed_stage(cfg, leaves, plan, state, (step_key, replica_key), n_rep, exact)
+        comp = _compressed_stage(cfg, leaves, plan, state, (exact.shared_key, replica_key), n_rep, exact)
     means = _means(cfg, plan, exact, comp, n_rep)
     bad = _bad_flags(cfg, exact, means)
     any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)

@@ -314,3 +314,22 @@ def _result_types(hlo: str, op: str) -> set[str]:
         if m:
             types.update(re.findall(r"\b([a-z]+\d*)\[", m.group(1)))
     return types
+
+
+def test_the_process_that_raised_is_reported_not_a_peer_that_aborted(tmp_path):
+    """Process 1 raises; its peers abort (as JAX's do when a collective loses a member),
+    and here before the raiser has finished exiting. The report names process 1 and its
+    error, not the first SIGABRT seen."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, time\n"
+        "pid = int(os.environ['COMMJAX_PROCESS_ID'])\n"
+        "if pid == 1:\n"
+        "    time.sleep(0.6)\n"
+        "    raise ValueError('boom in process 1')\n"
+        "time.sleep(0.3)\n"
+        "os.abort()\n")
+    res = cl.launch(str(script), 3, stream=False, timeout=60)
+    assert res.failed_process == 1, res.describe()
+    assert res.error == "ValueError: boom in process 1"
+    assert "ValueError: boom in process 1" in res.describe()

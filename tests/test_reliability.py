@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
@@ -141,3 +141,39 @@ def test_vary_outside_its_axis_names_the_axis(mesh):
     with pytest.raises(NameError, match="'dta' is not bound"):
         jax.jit(_compat.shard_map(lambda p: cj.vary(p, "dta"), mesh=mesh, in_specs=P(),
                                   out_specs=P()))(jnp.zeros(4))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_apply_if_finite_around_the_exchange_is_refused(mesh, check_vma):
+    """Wrapped around the chain, apply_if_finite decides per replica whether to communicate:
+    refused at trace time with the fix (instead of a hang or JAX's cond-branch error)."""
+    params = {"w": jnp.zeros((64, 64))}
+    for inner in (cj.compressed_mean(cj.sign(), AX), cj.dgc(0.1, ratio=0.1)):
+        tx = optax.apply_if_finite(optax.chain(inner, optax.sgd(0.1)), 3)
+        with pytest.raises(ValueError, match="apply_if_finite after the commjax transform"):
+            state = cj.shard_state(tx.init(params), mesh, AX)
+            specs = jax.tree_util.tree_map(lambda _: P(), state)
+            f = _compat.shard_map(
+                lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s, params),
+                mesh=mesh, in_specs=(P(AX), specs), out_specs=(P(AX), specs), check_vma=check_vma)
+            jax.jit(f).lower({"w": jnp.ones((N, 64, 64))}, state)
+
+
+def test_random_k_masks_agree_even_when_the_replicated_key_does_not(mesh):
+    """A "replicated" key that differs between devices (processes given different seeds):
+    random-k positions come from replica 0's key, shared by the exact all-reduce, so every
+    replica still decodes the same mean."""
+    tx = cj.compressed_mean(cj.random_k(0.05), AX)
+    params = {"w": jnp.zeros((64, 64))}
+    state = cj.init_sharded(tx, params, mesh, AX)
+    keys = [jax.device_put(jnp.asarray([7, 100 + i], jnp.uint32), d) for i, d in enumerate(mesh.devices.flat)]
+    state = state._replace(key=jax.make_array_from_single_device_arrays(
+        (2,), NamedSharding(mesh, P()), keys))
+    specs = cj.state_specs(state, AX)
+    f = jax.jit(_compat.shard_map(
+        lambda g, s: jax.tree_util.tree_map(lambda a: a[None], tx.update({"w": g[0]}, s)[0]),
+        mesh=mesh, in_specs=(P(AX), specs), out_specs=P(AX), check_vma=False))
+    u = np.asarray(f(jax.random.normal(jax.random.PRNGKey(0), (N, 64, 64)), state)["w"])
+    for r in range(1, N):
+        np.testing.assert_array_equal(u[r], u[0])
+    assert 0.03 < np.mean(u[0] != 0) < 0.07
