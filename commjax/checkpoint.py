@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Checkpointer", "save", "restore", "latest_step", "CheckpointMismatchError"]
+__all__ = ["Checkpointer", "save", "restore", "latest_step", "CheckpointMismatchError", "CheckpointDataError"]
 
 _FORMAT = "commjax-flat-v1"
 _STATE = "state"
@@ -58,6 +58,10 @@ _META = "meta"
 
 class CheckpointMismatchError(ValueError):
     """The template given to ``restore`` does not have the checkpoint's structure."""
+
+
+class CheckpointDataError(OSError):
+    """A checkpoint's files are missing, truncated or corrupted (the template is fine)."""
 
 
 def _ocp():
@@ -126,8 +130,14 @@ class Checkpointer:
         """The ``metadata`` dict given to :meth:`save` (and the stored leaf paths)."""
         ocp = _ocp()
         step = self._resolve(step)
-        out = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
-        return dict(out[_META])
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+            return dict(out[_META])
+        except (KeyError, FileNotFoundError, ValueError, OSError) as e:
+            raise CheckpointDataError(
+                f"checkpoint {self.directory} step {step}: its metadata item cannot be read "
+                f"({type(e).__name__}: {e}); the step is incomplete or damaged. Restore an "
+                "earlier step (Checkpointer.all_steps()).") from e
 
     # -- save / restore --------------------------------------------------------------
 
@@ -144,6 +154,7 @@ class Checkpointer:
         paths, leaves, _ = _flatten(tree)
         key_impls: dict[str, str] = {}
         empty: dict[str, list] = {}
+        shapes: dict[str, list] = {}
         arrays: dict[str, Any] = {}
         for i, leaf in enumerate(leaves):
             if _is_typed_key(leaf):
@@ -151,6 +162,7 @@ class Checkpointer:
                 leaf = jax.random.key_data(leaf)
             elif not isinstance(leaf, (jax.Array, np.ndarray)):
                 leaf = np.asarray(leaf)
+            shapes[_leaf_name(i)] = [list(leaf.shape), np.dtype(leaf.dtype).name]
             if leaf.size == 0:
                 # orbax refuses zero-size arrays (no residual without error feedback, no
                 # server residual outside the two-phase reducer): keep shape and dtype.
@@ -162,6 +174,7 @@ class Checkpointer:
             "paths": paths,
             "typed_keys": key_impls,
             "empty": empty,
+            "shapes": shapes,
             "user": dict(metadata or {}),
         }
         saved = self._manager.save(
@@ -199,6 +212,7 @@ class Checkpointer:
         _check_paths(paths, list(meta["paths"]), step)
         typed = meta.get("typed_keys", {})
         targets = _targets(paths, leaves, typed)
+        _check_shapes(targets, meta.get("shapes"), paths, step)
         out = _empty_leaves(targets, meta.get("empty", {}), paths)
         out.update(self._read(step, targets))
         restored = []
@@ -223,11 +237,12 @@ class Checkpointer:
         try:
             return self._manager.restore(
                 step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(targets)}))[_STATE]
-        except ValueError as e:
-            raise CheckpointMismatchError(
-                f"Checkpointer.restore: the template's shapes or dtypes do not match checkpoint "
-                f"step {step} ({e})."
-            ) from e
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+            raise CheckpointDataError(
+                f"Checkpointer.restore: the arrays of checkpoint {self.directory} step {step} "
+                f"cannot be read although the template matches what was saved: the files are "
+                f"missing, truncated or corrupted ({type(e).__name__}: {e}). Restore an earlier "
+                "step (Checkpointer.all_steps()).") from e
 
     def wait_until_finished(self) -> None:
         """Block until every pending (asynchronous) save is on disk."""
@@ -329,3 +344,19 @@ def _empty_leaves(targets: dict, empty: dict, paths: list) -> dict:
         out[name] = (jax.device_put(jnp.zeros(shape, dtype), sharding) if sharding is not None
                      else np.zeros(shape, dtype))
     return out
+
+
+def _check_shapes(targets: dict, shapes: Optional[dict], paths: list, step: int) -> None:
+    """The template's shapes and dtypes against those recorded at save time (checkpoints
+    written before they were recorded are not checked here)."""
+    if not shapes:
+        return
+    for name, target in targets.items():
+        want_shape, want_dtype = shapes.get(name, (None, None))
+        got = (list(np.shape(target)), np.dtype(target.dtype).name)
+        if want_shape is not None and (got[0] != list(want_shape) or got[1] != want_dtype):
+            raise CheckpointMismatchError(
+                f"Checkpointer.restore: leaf {paths[int(name.split('_')[1])]} has shape "
+                f"{tuple(got[0])} ({got[1]}) in the template but {tuple(want_shape)} "
+                f"({want_dtype}) in checkpoint step {step}. Build `like` the way the saved tree "
+                "was built.")

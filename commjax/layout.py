@@ -154,8 +154,12 @@ def specs_from_mask(mask: Any, axis_name: Any) -> Any:
     return jax.tree_util.tree_map(lambda m: P(axis_name) if m else P(), mask)
 
 
-def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: Any) -> int:
+def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: Any, where: str = "shard_state") -> int:
     names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
+        raise ValueError(f"{where}: `axis_name` {axis_name!r} names axes {missing} that the mesh "
+                         f"does not have (its axes: {tuple(mesh.axis_names)}).")
     return int(np.prod([mesh.shape[n] for n in names]))
 
 
@@ -220,7 +224,10 @@ def unshard_state(state: Any, replica: int = 0) -> Any:
         mesh = getattr(sharding, "mesh", None)
         if spec is None or mesh is None or not spec or spec[0] is None:
             return leaf
-        n = _mesh_axis_size(mesh, spec[0])
+        n = _mesh_axis_size(mesh, spec[0], "unshard_state")
+        if not 0 <= replica < n:
+            raise ValueError(f"unshard_state: `replica` must be in [0, {n}) (the replicas of "
+                             f"axis {spec[0]!r}); got {replica!r}.")
         a = leaf.shape[0] // n
         return leaf[replica * a:(replica + 1) * a]
 
@@ -232,6 +239,10 @@ def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
     devices), as ``jax.pmap`` expects. Per-replica and replicated leaves alike: at init
     they are identical on every replica."""
     n = jax.local_device_count() if num_devices is None else num_devices
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= jax.local_device_count():
+        raise ValueError(f"pmap_state: `num_devices` must be an integer in [1, "
+                         f"{jax.local_device_count()}] (this process's devices); got {num_devices!r}. "
+                         "It must equal the number of devices the pmap'd step runs on.")
     stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), state)
     # Place the arrays as pmap outputs are placed, so the first step does not compile twice.
     return jax.pmap(lambda t: t, devices=jax.local_devices()[:n])(stacked)

@@ -6,6 +6,8 @@ with an error a user could not act on.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
+from commjax.checkpoint import CheckpointDataError, CheckpointMismatchError, Checkpointer
 from commjax.compressors.powersgd import matrix_shape
 
 N = 8
@@ -177,3 +180,34 @@ def test_random_k_masks_agree_even_when_the_replicated_key_does_not(mesh):
     for r in range(1, N):
         np.testing.assert_array_equal(u[r], u[0])
     assert 0.03 < np.mean(u[0] != 0) < 0.07
+
+
+def test_layout_helpers_name_bad_arguments(mesh):
+    tx = cj.compressed_mean(cj.sign(), AX)
+    state = tx.init({"w": jnp.zeros((64, 64))})
+    with pytest.raises(ValueError, match="does not have"):
+        cj.shard_state(state, mesh, "dta")
+    laid = cj.shard_state(state, mesh, AX)
+    with pytest.raises(ValueError, match="`replica` must be in"):
+        cj.unshard_state(laid, replica=99)
+    with pytest.raises(ValueError, match="num_devices"):
+        cj.pmap_state(state, 99)
+
+
+def test_damaged_checkpoints_are_reported_as_data_loss(tmp_path):
+    """A truncated array file or a missing item is data loss, not a template mismatch."""
+    tree = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "k": np.arange(3)}
+    ckpt = Checkpointer(tmp_path / "a")
+    ckpt.save(1, tree)
+    with pytest.raises(CheckpointMismatchError, match="in the template"):
+        ckpt.restore({"w": np.zeros((64, 32), np.float32), "k": np.arange(3)})
+    for f in pathlib.Path(tmp_path / "a" / "1" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(f.read_bytes()[:100])  # truncate the array data
+    with pytest.raises(CheckpointDataError, match="truncated or corrupted"):
+        Checkpointer(tmp_path / "a").restore(tree)
+    ckpt.save(2, tree)
+    for f in sorted(pathlib.Path(tmp_path / "a" / "2" / "meta").rglob("*"), reverse=True):
+        f.unlink() if f.is_file() else f.rmdir()
+    with pytest.raises(CheckpointDataError, match="metadata"):
+        Checkpointer(tmp_path / "a").restore(tree, step=2)
