@@ -250,10 +250,10 @@ def seeded(key: jax.Array, seed: int) -> jax.Array:
 def transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
     """``M^T P`` (``[n, r]``) for ``M`` ``[m, n]`` and a thin ``P`` ``[m, r]``.
 
-    XLA:CPU runs this dot, which contracts the large matrix over its leading axis, about
-    five times slower than one streaming pass over ``M`` (measured at 2048 x 2048,
-    ``r = 4``: 9.8 ms against 1.8 ms on one core). On CPU, for ``r <= 8``, it is therefore
-    a broadcast multiply and a sum over rows; elsewhere, and for larger ``r``, the dot.
+    XLA:CPU runs this dot, which contracts the large matrix over its leading axis, several
+    times slower than one streaming pass over ``M`` (timed in commit 8bbb4d0). On CPU, for
+    ``r <= 8``, it is therefore a broadcast multiply and a sum over rows; elsewhere, and for
+    larger ``r``, the dot.
     """
 
     def dot(m, p):
@@ -272,10 +272,8 @@ def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
     """``P Q^T`` (``[m, n]``) for thin ``P`` ``[m, r]`` and ``Q`` ``[n, r]``: the dot.
 
     ``M_hat`` is written once and read by both of its consumers (the mean and the
-    error-feedback residual). On CPU a sum of ``r`` broadcast products fused into each
-    consumer computes the product twice and was no faster: medians of the 4-process step
-    of the 13.7M-parameter benchmark, 0.28 s fused (``Q`` read row-major) against 0.27 s
-    with the dot; the earlier fused form, which read ``Q``'s columns with a stride, 0.29 s.
+    error-feedback residual). A sum of ``r`` broadcast products fused into each consumer
+    would compute the product twice, and was no faster on CPU (commit 8bbb4d0).
     """
     return jnp.matmul(p, q.T, precision=_HIGHEST)
 
