@@ -252,6 +252,20 @@ def test_nonfinite_gradient_on_one_replica(task, mesh):
     assert np.all(np.asarray(state.metrics["nonfinite"]) == 0.0)
 
 
+def test_apply_if_finite_after_zero_skips_the_step(task, mesh):
+    """``optax.apply_if_finite`` chained after zero tests the shared update: every replica
+    skips the NaN step, the parameters do not move, training goes on."""
+    tx = optax.chain(zero(grad_codec=q(4), weight_codec=q(4, False)),
+                     optax.apply_if_finite(optax.identity(), 3))
+    fn, params, state, x, y = stepper(tx, task, mesh)
+    params, state, _ = fn(params, state, x, y)
+    skipped, state, u = fn(params, state, x.at[5, 1, 2].set(jnp.inf), y)
+    assert same_bits(skipped, params) and identical(skipped)
+    assert all(np.all(np.asarray(l) == 0) for l in jax.tree_util.tree_leaves(u))
+    after, _, _ = fn(skipped, state, x, y)
+    assert identical(after) and not same_bits(after, skipped)
+
+
 # --------------------------------------------------------------------------- errors
 
 

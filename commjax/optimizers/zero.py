@@ -450,10 +450,12 @@ def zero(
 
     Non-finite gradients: if any replica's gradient holds a NaN or an infinity, the whole
     update is NaN on every replica and the master shards, the inner state and the residuals
-    keep their previous values (the step counter advances). Wrap it in
-    ``optax.apply_if_finite(cj.zero(...), max_consecutive_errors)`` to skip such steps:
-    every replica sees the same NaN and skips together. ``check_finite=False`` saves the
-    flag (two floats per step): a NaN then poisons the master shards of its chunks.
+    keep their previous values (the step counter advances). To skip such steps, put
+    ``optax.apply_if_finite`` *after* it, where every replica tests the same update:
+    ``optax.chain(cj.zero(...), optax.apply_if_finite(optax.identity(), k))`` (not around
+    it: that tests each replica's own gradient, and replicas that disagree would wait in
+    different collectives). ``check_finite=False`` saves the flag (two floats per step): a
+    NaN then poisons the master shards of its chunks.
 
     Args:
       inner: the optax optimizer run on this replica's shard (``optax.adam(1e-3)``).
