@@ -312,6 +312,8 @@ def test_bad_inputs_get_named_errors(task, mesh):
         _trace(tx, mesh, params, vary=False)
     with pytest.raises(ValueError, match="power of two"):
         cj.hadamard(cj.quantize(4), size=24)
+    with pytest.raises(ValueError, match="apply_if_finite"):  # around zero: per-replica predicate
+        _trace(optax.apply_if_finite(tx, 3), mesh, params)
 
 
 def test_params_that_differ_between_replicas_are_refused(task, mesh):

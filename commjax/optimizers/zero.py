@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from commjax import _compat, collectives as cc
+from commjax import _compat, collectives as cc, guards
 from commjax.compressors.base import BlockCompressor, Compressor
 from commjax.fsdp import gather_exact, scatter_exact, shard_size
 from commjax.layout import per_replica
@@ -364,6 +364,7 @@ def _update(cfg: _Config, inner, grads, state: ZeroState, params):
                 "replica's own gradient, so the update must run inside jax.shard_map (or "
                 "jax.pmap) over that axis, e.g. jax.shard_map(step, mesh=mesh, in_specs=(P(), "
                 f"cj.state_specs(opt_state, {cfg.axis_name!r}), P({cfg.axis_name!r})), ...).")
+    guards.check_not_in_replica_conditional("zero")
     g_leaves, treedef = jax.tree_util.tree_flatten(grads)
     p_leaves = None if params is None else jax.tree_util.tree_leaves(params)
     n = math.prod(_compat.axis_size(a) for a in cfg.axes)
