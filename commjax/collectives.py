@@ -558,6 +558,9 @@ class PartsResult(NamedTuple):
     means: list  # float32[size] per segment: the estimate, identical on every replica
     residuals: list  # float32[size] per segment: y - C(y) of this replica (or C(y) w/o EF)
     server_residual: jax.Array  # float32[chunk] (two_phase) or float32[0]
+    #: Per segment, replicated: whether every payload that made its mean was finite (read
+    #: from the payloads' scale words, for codecs that have them); ``None``: not known.
+    finite: Optional[list] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,6 +645,13 @@ class AllReduce(Reducer):
         return PartsResult(flat_bucket.cut(total, segments), outs, _empty(server_residual))
 
 
+def _payload_finite(codec: Compressor, words: list) -> Optional[list]:
+    """Per segment: all its payload scales finite (every replica holds the same words);
+    ``None`` for a codec that cannot tell from its words."""
+    flags = [codec.payload_finite(w) for w in words]
+    return None if any(f is None for f in flags) else flags
+
+
 def _empty(server_residual):
     return jnp.zeros((0,), jnp.float32) if server_residual is None else server_residual
 
@@ -668,7 +678,8 @@ class AllGather(Reducer):
         got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
         means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size, num_replicas)[:s.size]
                  for s in segments]
-        return PartsResult(means, outs, _empty(server_residual))
+        finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
+        return PartsResult(means, outs, _empty(server_residual), finite)
 
 
 def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual):
@@ -744,13 +755,15 @@ class TwoPhase(Reducer):
         gathered, new_server = _two_phase_exchange(
             codec, server, rows, m // num_replicas, axis_name, num_replicas, key, server_residual,
             server_error_feedback)
+        finite = None
         if isinstance(server, BlockCompressor):
-            means = [server.decode(_segment_words(server, gathered, s), s.padded_size)[:s.size]
-                     for s in segments]
+            words = [_segment_words(server, gathered, s) for s in segments]
+            means = [server.decode(w, s.padded_size)[:s.size] for w, s in zip(words, segments)]
+            finite = _payload_finite(server, words)
         else:
             full = decode_rows(server, gathered.reshape(num_replicas, -1), m // num_replicas)
             means = flat_bucket.cut(full.reshape(-1), segments)
-        return PartsResult(means, outs, new_server)
+        return PartsResult(means, outs, new_server, finite)
 
 
 def _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas):

@@ -300,6 +300,8 @@ class _Compressed(NamedTuple):
     server_residual: jax.Array
     compressor_state: Any
     metrics: dict
+    finite: Any = None  # per leaf: its payloads' scales finite (None: read the mean instead)
+    scan: bool = False  # no cheaper test: a non-finite mean is found by reading it
 
 
 def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _Compressed:
@@ -335,7 +337,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
             shared_key=keys[0], count=state.count)
         new_res = [] if residuals is None else [x[:s.size] - l for x, l, s in zip(xs, locals_, segs)]
-        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics)
+        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, scan=True)
     server = state.server_residual if plan.server_residual_size else None
     res = reduce_parts(
         cfg.compressor, plan.reducer_impl, parts, segs,
@@ -344,7 +346,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         shared_key=keys[0])
     new_server = state.server_residual if server is None else res.server_residual
     return _Compressed(res.means, res.residuals if residuals is not None else [], new_server,
-                       state.compressor_state, comp_metrics)
+                       state.compressor_state, comp_metrics, res.finite)
 
 
 def _with_residuals(parts, residuals, segments):
@@ -365,14 +367,22 @@ def _means(cfg, plan, exact: _Exact, comp: Optional[_Compressed], n_rep) -> list
     return list(comp.means)
 
 
-def _bad_flags(cfg, exact: _Exact, means: list) -> list:
+def _bad_flags(cfg, exact: _Exact, means: list, comp: Optional[_Compressed]) -> list:
     """Per compressed leaf, replicated: non-finite on some replica before the exchange, or
-    a non-finite mean after it (an overflow, a block that could not be encoded). The mean is
-    identical on every replica, so every replica decides the same."""
+    after it (a block that could not be encoded, factors that overflowed): read from the
+    payloads' scale words, or from the mean for an exchange. Both are identical on every
+    replica, so every replica decides the same. (Sparse codecs send the values themselves:
+    finite inputs give finite means.)"""
     if not cfg.check_finite:
         return []
-    return [jnp.logical_or(b, jnp.logical_not(guards.all_finite(m)))
-            for b, m in zip(exact.global_bad, means)]
+    if comp is None:
+        return list(exact.global_bad)
+    if comp.finite is not None:
+        return [jnp.logical_or(b, jnp.logical_not(f)) for b, f in zip(exact.global_bad, comp.finite)]
+    if comp.scan:
+        return [jnp.logical_or(b, jnp.logical_not(guards.all_finite(m)))
+                for b, m in zip(exact.global_bad, means)]
+    return list(exact.global_bad)
 
 
 def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Compressed], means, bad):
@@ -420,7 +430,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     if plan.segments and not _direct(cfg, plan):
         comp = _compressed_stage(cfg, leaves, plan, state, (exact.shared_key, replica_key), n_rep, exact)
     means = _means(cfg, plan, exact, comp, n_rep)
-    bad = _bad_flags(cfg, exact, means)
+    bad = _bad_flags(cfg, exact, means, comp)
     any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
     out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, means, bad)
     server, cs = state.server_residual, state.compressor_state

@@ -143,6 +143,12 @@ class Compressor:
             total = total + (value if divide == 1 else value / divide)
         return total
 
+    def payload_finite(self, words: jax.Array) -> Optional[jax.Array]:
+        """Whether the values ``words`` decode to are all finite, read from far fewer words
+        than the decode (a scale per block), or ``None`` if the codec cannot tell. Every
+        replica that holds the same words decides the same."""
+        return None
+
     # Linear compressors only.
     def encode_linear(self, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
         raise TypeError(f"{self.name} payloads cannot be summed: it is not a linear compressor")

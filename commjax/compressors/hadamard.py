@@ -109,6 +109,10 @@ class Hadamard(BlockCompressor):
         inner = self.codec.decode_blocks(rows.reshape(-1, self.codec.row_words))
         return rotate(inner.reshape(nb, self.block), self.size)
 
+    def payload_finite(self, words: jax.Array) -> Optional[jax.Array]:
+        """The wrapped codec's check (its rows lie back to back in each row here)."""
+        return self.codec.payload_finite(words)
+
     def decode_sum(self, payloads: jax.Array, n: int, segments=None, *, divide: int = 1) -> jax.Array:
         """``R sum_r C.decode(payloads[r])``: the wrapped codec's (fused) sum in replica
         order, then one inverse rotation. Every replica that holds the same payloads

@@ -102,6 +102,11 @@ class _ScaledCodec(BlockCompressor):
         return dict(bits=self.bits, block_size=self.block_size, offset=self.offset,
                     divisor=self.divisor, impl=self.kernels)
 
+    def payload_finite(self, words):
+        """A block decodes to finite values iff its scale (its row's last word) is finite."""
+        rows = words.reshape(-1, self.row_words)
+        return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
+
     def decode_blocks(self, rows):
         """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`);
         each value rounded to fp32 (no multiply-add with what the caller does next)."""

@@ -6,6 +6,8 @@ import dataclasses
 from typing import ClassVar, Optional
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from commjax import kernels as _kernels
 from commjax.compressors.base import BlockCompressor, check_positive_int
@@ -58,6 +60,11 @@ class Sign(BlockCompressor):
         # Bit b decodes to (2 b - 1) * scale.
         return dict(bits=1, block_size=self.block_size, offset=1, step=2, divisor=None,
                     impl=self.kernels)
+
+    def payload_finite(self, words):
+        """A block decodes to finite values iff its scale (its row's last word) is finite."""
+        rows = words.reshape(-1, self.row_words)
+        return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
 
     def decode_blocks(self, rows):
         """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`)."""
