@@ -24,8 +24,10 @@ $(DOCS_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Two workers (one per core of the CI machine), one test file each at a time, so a
+# file's module fixtures are built once; the slowest files start first (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The site (API reference from the docstrings) in site/; --strict fails on any warning
 # (a broken reference, a missing object).

@@ -21,3 +21,18 @@ def mesh():
 
     assert jax.device_count() >= NUM_DEVICES, "tests need 8 forced CPU devices (see conftest.py)"
     return _compat.make_mesh((NUM_DEVICES,), ("data",))
+
+
+#: Test files that take longest, started first: with ``-n 2 --dist loadfile`` (make test)
+#: the two workers then finish together instead of one waiting on the last long file.
+SLOW_FIRST = (
+    "test_contract.py", "test_examples.py", "test_multiprocess_compressors.py",
+    "test_compressed_mean.py", "test_kernels.py", "test_powersgd.py", "test_zero.py",
+    "test_launch.py", "test_onebit.py", "test_checkpoint.py", "test_sparse.py",
+    "test_collectives.py", "test_step.py", "test_reduce_parts.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

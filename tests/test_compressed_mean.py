@@ -25,7 +25,8 @@ def _tx(comp, **kw):
     return optax.chain(cj.compressed_mean(comp, "data", **kw), optax.sgd(0.1, momentum=0.9))
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+# Every codec is checked over a few steps by tests/test_contract.py; these run longer.
+@pytest.mark.parametrize("name", ["q4", "sign", "qsgd"])
 def test_replicas_bit_identical_after_50_steps_shard_map(task, name):
     res = train(_tx(COMPRESSORS[name]), task, 50, log_every=50)
     assert res.replicas_identical
@@ -33,7 +34,7 @@ def test_replicas_bit_identical_after_50_steps_shard_map(task, name):
     assert res.final_loss < task.global_loss(task.params)
 
 
-@pytest.mark.parametrize("name", ["q4", "sign", "cast"])
+@pytest.mark.parametrize("name", ["q4", "sign"])
 def test_replicas_bit_identical_shard_map_without_vma_check(task, name):
     res = train(_tx(COMPRESSORS[name]), task, 50, log_every=50, check_vma=False)
     ref = train(_tx(COMPRESSORS[name]), task, 50, log_every=50, check_vma=True)
@@ -43,7 +44,7 @@ def test_replicas_bit_identical_shard_map_without_vma_check(task, name):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["identity", "q4", "qsgd", "sign"])
+@pytest.mark.parametrize("name", ["identity", "q4"])
 def test_replicas_bit_identical_after_50_steps_pmap(task, name):
     res = train(_tx(COMPRESSORS[name]), task, 50, log_every=50, use_pmap=True)
     assert res.replicas_identical
