@@ -38,6 +38,9 @@ from commjax.fsdp import (
     fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard, fsdp_wire_bytes,
 )
 from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb, zero
+from commjax.optimizers.decoupled_momentum import (
+    DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
+)
 from commjax.optimizers.zero import ZeroState, zero_wire_bytes
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.collectives import REDUCERS, valid_reducers as reducers_for
@@ -50,6 +53,7 @@ __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
     "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
+    "decoupled_momentum", "DecoupledMomentumState", "decoupled_momentum_wire_bytes",
     "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "fsdp_wire_bytes",
     "ZeroState", "zero_wire_bytes",
     "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",

@@ -5,12 +5,16 @@ and returns updates identical on every replica.
 """
 
 # Other optimizers add their imports and names below.
+from commjax.optimizers.decoupled_momentum import (
+    DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
+)
 from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ratios
 from commjax.optimizers.diloco import DiLoCoState, diloco, landing_update
 from commjax.optimizers.onebit import onebit_adam, onebit_lamb
 from commjax.optimizers.zero import ZeroState, zero, zero_wire_bytes
 
 __all__ = [
+    "DecoupledMomentumState", "decoupled_momentum", "decoupled_momentum_wire_bytes",
     "DGCState", "dgc", "dgc_communication_plan", "dgc_ratios",
     "DiLoCoState", "diloco", "landing_update",
     "onebit_adam", "onebit_lamb",
