@@ -291,8 +291,11 @@ def _exchange(cfg: _Config, words: jax.Array, n_rep: int) -> jax.Array:
     return _compat.all_gather_invariant(words, cfg.axis_name, tiled=False)
 
 
-def _validate(cfg: _Config, leaves, state: DecoupledMomentumState):
+def _validate(cfg: _Config, leaves, state: DecoupledMomentumState, params: Any):
     n_rep = guards.check_bound(cfg.axis_name, "decoupled_momentum")
+    if cfg.weight_decay and params is None:
+        raise ValueError("decoupled_momentum: weight_decay needs the parameters: call "
+                         "update(grads, state, params).")
     if cfg.axis_name is not None:
         guards.check_unreduced(leaves, cfg.axis_name, "decoupled_momentum")
     layout = _layout(leaves, cfg, "decoupled_momentum")
@@ -309,12 +312,7 @@ def _steps(cfg: _Config, leaves, treedef, layout, q, params, lr, bad):
     """``-lr (sign(q) + wd * params)`` in the leaves' shapes and dtypes (NaN where
     ``bad``); zeros for non-floating leaves."""
     out = [jnp.zeros_like(l) for l in leaves]
-    p_leaves = None
-    if cfg.weight_decay:
-        if params is None:
-            raise ValueError("decoupled_momentum: weight_decay needs the parameters: call "
-                             "update(grads, state, params).")
-        p_leaves = treedef.flatten_up_to(params)
+    p_leaves = treedef.flatten_up_to(params) if cfg.weight_decay else None
     for it, qi in zip(layout, q):
         step = jnp.sign(qi).reshape(it.shape)
         if p_leaves is not None:
@@ -325,7 +323,7 @@ def _steps(cfg: _Config, leaves, treedef, layout, q, params, lr, bad):
 
 def _update(cfg: _Config, updates: Any, state: DecoupledMomentumState, params: Any):
     leaves, treedef = jax.tree_util.tree_flatten(updates)
-    layout, n_rep = _validate(cfg, leaves, state)
+    layout, n_rep = _validate(cfg, leaves, state, params)
     if not layout:
         return updates, state._replace(count=state.count + 1)
     g = jnp.concatenate([jnp.ravel(leaves[it.index]).astype(jnp.float32) for it in layout])
