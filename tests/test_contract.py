@@ -1,7 +1,7 @@
 """The contract every communicating transform keeps, checked on one matrix.
 
 Every compressor through every reducer that can carry it (``compressed_mean``), and every
-optimizer (DGC, 1-bit Adam/LAMB, DiLoCo exact and compressed, ZeRO), goes through the
+optimizer (DGC, 1-bit Adam/LAMB, DiLoCo exact and compressed, DeMo, ZeRO), goes through the
 same checks, as optax tests all its optimizers in one file:
 
 * called where its axis is not bound, it raises :class:`commjax.AxisNotBoundError` with
@@ -68,6 +68,7 @@ def _cases() -> dict:
         "dgc": lambda: cj.dgc(0.05, ratio=0.05, min_compress_size=MIN),
         "onebit_adam": lambda: cj.onebit_adam(1e-3, warmup_steps=2, min_compress_size=MIN),
         "onebit_lamb": lambda: cj.onebit_lamb(1e-3, warmup_steps=2, min_compress_size=MIN),
+        "decoupled_momentum": lambda: cj.decoupled_momentum(0.05, chunk_size=8, top_k=4),
         "diloco": lambda: cj.diloco(optax.sgd(0.05), optax.sgd(0.7), sync_every=2),
         "diloco_q4": lambda: cj.diloco(optax.sgd(0.05), optax.sgd(0.7), sync_every=2, compressor=q4),
         "zero_q4": lambda: cj.zero(optax.adam(1e-3), AX, grad_codec=q4, weight_codec=q8,
