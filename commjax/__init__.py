@@ -41,6 +41,7 @@ from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb, zero
 from commjax.optimizers.decoupled_momentum import (
     DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
 )
+from commjax.optimizers.streaming_diloco import streaming_diloco, streaming_diloco_bytes
 from commjax.optimizers.zero import ZeroState, zero_wire_bytes
 from commjax.plan import CommunicationPlan, communication_plan
 from commjax.collectives import REDUCERS, valid_reducers as reducers_for
@@ -54,6 +55,7 @@ __all__ = [
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
     "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
     "decoupled_momentum", "DecoupledMomentumState", "decoupled_momentum_wire_bytes",
+    "streaming_diloco", "streaming_diloco_bytes",
     "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "fsdp_wire_bytes",
     "ZeroState", "zero_wire_bytes",
     "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",

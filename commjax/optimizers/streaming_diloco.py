@@ -1,0 +1,438 @@
+"""Streaming DiLoCo: DiLoCo whose parameters are synced in fragments at staggered steps.
+
+The parameter leaves are split into ``P`` static *fragments* of about equal size (whole
+leaves, contiguous in leaf order). Every replica trains locally with the inner
+optimizer; fragment ``f`` is synced once every ``H = sync_every`` steps, at its own step,
+the ``P`` fragments spread evenly over the round (one sync every ``H / P`` steps). With
+``theta_f`` the fragment's anchor (shared by all replicas) and ``theta_{i,f}`` replica
+``i``'s copy after the inner step of step ``t``::
+
+    send (step t):       delta_f = (1/N) sum_i (theta_f - theta_{i,f})   # only f's bytes
+    merge (step t+tau):  theta_f <- theta_f + outer_f.update(delta_f)
+                         theta_{i,f} <- alpha theta_{i,f} + (1 - alpha) theta_f
+
+``tau = overlap`` inner steps run between the send and the merge (the mean is kept in
+the state meanwhile); ``alpha = mix`` keeps part of the replica's own progress. Each
+fragment has its own outer-optimizer state and its own (optionally compressed, with
+error feedback) exchange.
+
+Communication per device: 0 on most steps; on a fragment's send step the exact fp32
+mean of that fragment (``2 (N-1)/N * 4 n_f`` bytes) or the bytes of
+:func:`commjax.compressed_mean` with the chosen compressor on the fragment's leaves. The
+peak per step is the largest fragment's exchange (about ``1/P`` of a DiLoCo sync) and the
+average per inner step is a DiLoCo sync divided by ``H``, as in DiLoCo
+(:func:`streaming_diloco_bytes`).
+
+With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is :func:`commjax.diloco`, bit for bit.
+
+References: Douillard et al., 2025, "Streaming DiLoCo with overlapping communication:
+Towards a Distributed Free Lunch" (arXiv:2501.18512); Douillard et al., 2023, "DiLoCo:
+Distributed Low-Communication Training of Language Models" (arXiv:2311.08105).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from commjax import guards, validation
+from commjax.accounting import exact_mean_bytes
+from commjax.collectives import exact_mean
+from commjax.compressors.base import Compressor
+from commjax.layout import per_replica
+from commjax.optimizers.diloco import (
+    _Config as _DiLoCoConfig, _all_finite, _check_vary, _inner_step, _pseudo_mean, _vary_marked,
+    landing_update,
+)
+from commjax.plan import communication_plan
+from commjax.transform import compressed_mean
+
+__all__ = ["StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco",
+           "fragment_leaves", "streaming_diloco_bytes"]
+
+_NAME = "streaming_diloco"
+
+
+@per_replica("inner_state")
+class StreamingDiLoCoState(NamedTuple):
+    """State of :func:`streaming_diloco`.
+
+    Attributes:
+      count: int32 scalar, replicated: inner steps taken.
+      anchor: pytree like the parameters, replicated: each fragment's shared parameters
+        as of that fragment's last merge.
+      outer_state: tuple of ``P`` outer-optimizer states (fragment ``f``'s over the list
+        of its leaves), replicated.
+      inner_state: the inner optimizer's state, **per replica** (leading axis of length 1
+        on every leaf, as in :class:`commjax.optimizers.DiLoCoState`).
+      exchange: tuple of ``P`` :class:`commjax.CompressedMeanState` (residuals per
+        replica) when a ``compressor`` is given, else ``()``.
+      pending: with ``overlap > 0``, tuple of ``P`` lists of fp32 arrays (one per leaf of
+        the fragment, in its shape): the mean pseudo-gradient received at the fragment's last
+        send, merged ``overlap`` steps later; replicated. ``()`` when ``overlap == 0``.
+    """
+
+    count: jax.Array
+    anchor: Any
+    outer_state: Any
+    inner_state: Any
+    exchange: Any
+    pending: Any
+
+
+class StreamingDiLoCoBytes(NamedTuple):
+    """Bytes per device on the wire (see :func:`streaming_diloco_bytes`).
+
+    Attributes:
+      per_fragment: bytes of one sync of each fragment.
+      peak: the largest step's bytes (the largest fragment's sync).
+      per_inner_step: average over a round: ``sum(per_fragment) / sync_every``.
+      full_sync: a DiLoCo sync of the whole parameter set with the same compressor.
+      inner_group: bytes per step of the exact gradient mean over ``inner_axis_name``
+        (``0`` without it).
+    """
+
+    per_fragment: tuple
+    peak: float
+    per_inner_step: float
+    full_sync: float
+    inner_group: float
+
+
+def fragment_leaves(params: Any, fragments: int) -> tuple[tuple[int, ...], ...]:
+    """Split the leaves of ``params`` (``jax.tree_util.tree_leaves`` order) into
+    ``fragments`` contiguous groups of about equal element counts: the cut after group
+    ``k`` is the leaf boundary closest to ``k/P`` of the elements. Every group holds at
+    least one leaf. Returns the leaf indices of each group."""
+    sizes = [int(np.prod(np.shape(l))) for l in jax.tree_util.tree_leaves(params)]
+    if fragments > len(sizes):
+        raise ValueError(
+            f"{_NAME}: `fragments` ({fragments}) is more than the parameters' {len(sizes)} "
+            f"leaves; fragments are whole leaves, so pass fragments <= {len(sizes)}.")
+    cum = np.cumsum([0] + sizes)
+    cuts = [0]
+    for k in range(1, fragments):
+        lo, hi = cuts[-1] + 1, len(sizes) - (fragments - k)
+        cuts.append(min(range(lo, hi + 1), key=lambda b: abs(cum[b] - k * cum[-1] / fragments)))
+    cuts.append(len(sizes))
+    return tuple(tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    inner: optax.GradientTransformation
+    outer: optax.GradientTransformation
+    sync_every: int
+    fragments: int
+    overlap: int
+    mix: float
+    axis_name: Any
+    inner_axis_name: Any
+    exchanges: tuple  # P compressed_mean transforms, or P Nones for the exact mean
+
+    def fragment(self, f: int) -> _DiLoCoConfig:
+        """Fragment ``f`` seen as a DiLoCo (its exchange), for diloco's pieces."""
+        return _DiLoCoConfig(self.inner, self.outer, self.sync_every, self.axis_name,
+                             self.exchanges[f])
+
+
+def _due(cfg: _Config, count: jax.Array, delay: int) -> jax.Array:
+    """Which fragment's send (``delay = 0``) or merge (``delay = overlap``) falls on step
+    ``count``: fragment ``f`` when ``(count + 1 - delay) % H == ((f + 1) H / P) % H``
+    (fragment ``P - 1`` on DiLoCo's sync steps), else ``P`` (none)."""
+    h, p = cfg.sync_every, cfg.fragments
+    spacing = h // p
+    r = (count + 1 - delay) % h
+    due = jnp.logical_and(r % spacing == 0, count >= delay)
+    return jnp.where(due, (r // spacing + p - 1) % p, p).astype(jnp.int32)
+
+
+def _send(cfg: _Config, f: int, idx, local, anchor, exchange):
+    """Fragment ``f``'s mean pseudo-gradient (fp32, the only collective of the step);
+    a non-finite mean keeps the fragment's exchange residuals."""
+    deltas = [anchor[i].astype(jnp.float32) - local[i].astype(jnp.float32) for i in idx]
+    mean, new_ex = _pseudo_mean(cfg.fragment(f), deltas, exchange[f] if exchange else ())
+    mean = [m.astype(jnp.float32) for m in mean]
+    if exchange:
+        bad = jnp.logical_not(_all_finite(mean))
+        new_ex = _vary_marked(guards.keep_if(bad, exchange[f], new_ex), cfg.axis_name)
+        exchange = exchange[:f] + (new_ex,) + exchange[f + 1:]
+    return mean, exchange
+
+
+def _merge(cfg: _Config, f: int, idx, mean, params, local, anchor, outer_state):
+    """The outer step of fragment ``f`` on its mean; its leaves land on the mix of the
+    replica's own and the new shared parameters. Returns (landing updates of ``f``'s
+    leaves, new anchor leaves, outer states, bad)."""
+    bad = jnp.logical_not(_all_finite(mean))
+    old = [anchor[i] for i in idx]
+    mean = [m.astype(a.dtype) for m, a in zip(mean, old)]
+    u_out, new_outer = cfg.outer.update(mean, outer_state[f], old)
+    # One materialised value of the new anchor (see diloco._sync).
+    new = lax.optimization_barrier(optax.apply_updates(old, u_out))
+    target = new if cfg.mix == 0 else [
+        (cfg.mix * local[i].astype(jnp.float32) + (1 - cfg.mix) * n.astype(jnp.float32)).astype(n.dtype)
+        for i, n in zip(idx, new)]
+    steps = landing_update([params[i] for i in idx], target)
+    outer_state = outer_state[:f] + (guards.keep_if(bad, outer_state[f], new_outer),) + outer_state[f + 1:]
+    return steps, guards.keep_if(bad, old, new), outer_state, bad
+
+
+def _put(leaves: list, idx: Sequence[int], values: Sequence[Any]) -> list:
+    out = list(leaves)
+    for i, v in zip(idx, values):
+        out[i] = v
+    return out
+
+
+def _sync_branches(cfg: _Config, groups, params, local, send: bool, merge: bool):
+    """``P + 1`` branches over ``(step, anchor, outer_state, exchange, pending, bad)``:
+    branch ``f`` sends and/or merges fragment ``f``, branch ``P`` passes all through."""
+
+    def branch(f):
+        idx = groups[f]
+
+        def run(ops):
+            step_, anchor, outer_state, exchange, pending, bad = ops
+            if send:
+                mean, exchange = _send(cfg, f, idx, local, anchor, exchange)
+                pending = pending[:f] + (mean,) + pending[f + 1:] if pending else pending
+            else:
+                mean = pending[f]
+            if merge:
+                steps, new_anchor, outer_state, bad = _merge(cfg, f, idx, mean, params, local,
+                                                             anchor, outer_state)
+                step_, anchor = _put(step_, idx, steps), _put(anchor, idx, new_anchor)
+            return step_, anchor, outer_state, exchange, pending, bad
+        return run
+
+    def idle(ops):
+        step_, anchor, outer_state, exchange, pending, bad = ops
+        return step_, anchor, outer_state, _vary_marked(exchange, cfg.axis_name), pending, bad
+
+    return [branch(f) for f in range(cfg.fragments)] + [idle]
+
+
+def _switch(cfg: _Config, index, branches, ops):
+    if cfg.sync_every == 1:  # every step syncs the one fragment: no conditional needed
+        out = branches[0](ops)
+    else:
+        out = lax.switch(index, branches, ops)
+    step, anchor, outer_state, exchange, pending, bad = out
+    return step, anchor, outer_state, _vary_marked(exchange, cfg.axis_name), pending, bad
+
+
+def _group_mean(cfg: _Config, updates):
+    """The exact fp32 mean of the gradients over ``inner_axis_name`` (one all-reduce)."""
+    if cfg.inner_axis_name is None:
+        return updates
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    n = guards.check_bound(cfg.inner_axis_name, _NAME)
+    means, _ = exact_mean(leaves, cfg.inner_axis_name if n > 1 else None, n)
+    out = [m.reshape(jnp.shape(l)).astype(jnp.result_type(l)) for m, l in zip(means, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params):
+    if params is None:
+        raise ValueError(f"{_NAME}: update() needs this replica's `params` (update(grads, state, params)).")
+    guards.check_bound(cfg.axis_name, _NAME)
+    if cfg.axis_name is not None:
+        _check_vary(params, cfg.axis_name)
+    groups = fragment_leaves(params, cfg.fragments)
+    u_in, new_inner, local = _inner_step(cfg, _group_mean(cfg, updates), state, params)
+    p_leaves, treedef = jax.tree_util.tree_flatten(params)
+    local = jax.tree_util.tree_leaves(local)
+    step = [u.astype(p.dtype) for u, p in zip(jax.tree_util.tree_leaves(u_in), p_leaves)]
+    ops = (step, jax.tree_util.tree_leaves(state.anchor), state.outer_state, state.exchange,
+           state.pending, jnp.zeros((), bool))
+    if cfg.overlap == 0:
+        ops = _switch(cfg, _due(cfg, state.count, 0),
+                      _sync_branches(cfg, groups, p_leaves, local, True, True), ops)
+    else:
+        ops = _switch(cfg, _due(cfg, state.count, 0),
+                      _sync_branches(cfg, groups, p_leaves, local, True, False), ops)
+        ops = _switch(cfg, _due(cfg, state.count, cfg.overlap),
+                      _sync_branches(cfg, groups, p_leaves, local, False, True), ops)
+    step, anchor, outer_state, exchange, pending, bad = ops
+    # A non-finite merged mean (a NaN on any replica) is NaN on every replica's update.
+    step = [jnp.where(bad, jnp.nan, s).astype(s.dtype) for s in step]
+    new_state = StreamingDiLoCoState(
+        count=state.count + 1, anchor=jax.tree_util.tree_unflatten(treedef, anchor),
+        outer_state=outer_state, inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner),
+        exchange=exchange, pending=pending)
+    return jax.tree_util.tree_unflatten(treedef, step), new_state
+
+
+def _init(cfg: _Config, params) -> StreamingDiLoCoState:
+    leaves = jax.tree_util.tree_leaves(params)
+    groups = [[jnp.asarray(leaves[i]) for i in idx] for idx in fragment_leaves(params, cfg.fragments)]
+    exact = cfg.exchanges[0] is None
+    return StreamingDiLoCoState(
+        count=jnp.zeros((), jnp.int32),
+        anchor=jax.tree_util.tree_map(jnp.asarray, params),
+        outer_state=tuple(cfg.outer.init(g) for g in groups),
+        inner_state=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], cfg.inner.init(params)),
+        exchange=() if exact else tuple(tx.init(g) for tx, g in zip(cfg.exchanges, groups)),
+        pending=() if cfg.overlap == 0 else tuple(
+            [jnp.zeros(g.shape, jnp.float32) for g in group] for group in groups),
+    )
+
+
+def _sync_bytes(leaves: Sequence[Any], num_replicas: int, compressor: Optional[Compressor]) -> float:
+    if compressor is None:
+        return exact_mean_bytes(sum(int(np.prod(np.shape(l))) for l in leaves), num_replicas)
+    return float(communication_plan(compressor, list(leaves), num_replicas=num_replicas).bytes_per_step)
+
+
+def streaming_diloco_bytes(params: Any, num_replicas: int, *, sync_every: int, fragments: int = 1,
+                           compressor: Optional[Compressor] = None,
+                           inner_replicas: int = 1) -> StreamingDiLoCoBytes:
+    """Bytes per device on the wire of :func:`streaming_diloco` for ``params``, without
+    compiling: each fragment's sync is the exact fp32 mean of its ``n_f`` elements
+    (``2 (N-1)/N * 4 n_f``) or :func:`commjax.communication_plan` of the compressor on its
+    leaves; ``inner_replicas > 1`` adds the exact gradient mean over the inner axis on
+    every step (``2 (M-1)/M * 4 n``). ``fragments=1`` gives :func:`commjax.diloco`'s bytes.
+    The compiled HLO carries exactly these bytes (tests/test_streaming_diloco.py)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    per = tuple(_sync_bytes([leaves[i] for i in idx], num_replicas, compressor)
+                for idx in fragment_leaves(params, fragments))
+    n = sum(int(np.prod(np.shape(l))) for l in leaves)
+    group = exact_mean_bytes(n, inner_replicas) if inner_replicas > 1 else 0.0
+    return StreamingDiLoCoBytes(
+        per_fragment=per, peak=max(per) + group, per_inner_step=sum(per) / sync_every + group,
+        full_sync=_sync_bytes(leaves, num_replicas, compressor), inner_group=group)
+
+
+def _check_options(sync_every, fragments, overlap, mix) -> tuple[int, int, int, float]:
+    h = validation.check_int("sync_every", sync_every, 1, factory=_NAME)
+    p = validation.check_int("fragments", fragments, 1, factory=_NAME)
+    if h % p:
+        divisors = [d for d in range(1, h + 1) if h % d == 0]
+        raise ValueError(
+            f"{_NAME}: `fragments` ({p}) must divide `sync_every` ({h}), so that the fragments' "
+            f"syncs are spread evenly over the round (one every sync_every / fragments steps); "
+            f"pick fragments from {divisors} or change sync_every.")
+    tau = validation.check_int("overlap", overlap, 0, factory=_NAME)
+    if tau >= h:
+        raise ValueError(
+            f"{_NAME}: `overlap` ({tau}) must be smaller than `sync_every` ({h}): a fragment's "
+            f"mean must be merged before the fragment's next sync; pass overlap <= {h - 1}.")
+    alpha = validation.check_float("mix", mix, 0.0, 1.0, factory=_NAME)
+    return h, p, tau, alpha
+
+
+def _exchanges(compressor, fragments, axis_name, error_feedback, num_replicas, seed) -> tuple:
+    if compressor is None:
+        return (None,) * fragments
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"{_NAME}: `compressor` must be None (exact mean) or a commjax compressor such as "
+            f"cj.quantize(bits=4), got {compressor!r}.")
+    seed = validation.check_seed("seed", seed, factory=_NAME)
+    # One exchange per fragment (its own residuals and rounding keys); fragment 0 uses
+    # ``seed`` itself, so one fragment is diloco's exchange exactly.
+    return tuple(compressed_mean(compressor, axis_name, error_feedback=error_feedback,
+                                 num_replicas=num_replicas, seed=seed + f) for f in range(fragments))
+
+
+def streaming_diloco(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    fragments: int = 1,
+    overlap: int = 0,
+    mix: float = 0.0,
+    compressor: Optional[Compressor] = None,
+    axis_name: Any = "data",
+    inner_axis_name: Any = None,
+    error_feedback: bool = True,
+    num_replicas: Optional[int] = None,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """Streaming DiLoCo as one optax transformation: fragments synced at staggered steps.
+
+    ``update(grads, state, params)`` takes this replica's gradient and parameters (inside
+    ``shard_map``/``pmap`` over ``axis_name``, parameters kept per replica as for
+    :func:`commjax.diloco`). Step ``t`` (0-based; ``H = sync_every``, ``P = fragments``,
+    ``tau = overlap``, ``alpha = mix``; fragment ``f``'s leaves from
+    :func:`fragment_leaves`)::
+
+        g = mean over inner_axis_name of g_i        # exact fp32, every step (if given)
+        u_in = inner.update(g, p);  p' = p + u_in
+        f sends at t   if (t + 1) % H == ((f + 1) H / P) % H:
+            pending_f = mean_i(theta_f - p'_{i,f})  # only fragment f's bytes
+        f merges at t  if it sent at t - tau:
+            theta_f <- theta_f + outer_f.update(pending_f, theta_f)
+            return landing_update(p, alpha p'_f + (1 - alpha) theta_f) on f's leaves, u_in elsewhere
+
+    Fragment ``P - 1`` syncs on DiLoCo's sync steps, the others ``H / P`` steps apart
+    before it. The step counter is traced: a ``lax.switch`` over ``P + 1`` branches picks
+    the fragment, and only branch ``f`` holds a collective, of fragment ``f``'s leaves.
+    At a merge each replica lands on the new shared parameters (with ``alpha = 0``) as in
+    :func:`commjax.diloco` (exactly where the move is representable, else within half an
+    ulp of each term); anchors are bit-identical on every replica.
+
+    Overlap: ``tau > 0`` reproduces the paper's *schedule* (the mean computed at ``t``
+    is applied at ``t + tau``, the replicas training on meanwhile), but each step is one
+    compiled SPMD program whose collective sits in a conditional and completes inside
+    the step: the transfer does not run concurrently with the next ``tau`` steps' compute,
+    on CPU, GPU or TPU (see ``docs/crossdc.md``).
+
+    Non-finite values: a NaN/Inf in a replica's inner update makes that replica's update
+    NaN (and keeps its inner state); a non-finite fragment mean makes the whole update NaN
+    on every replica at that fragment's merge, and keeps the fragment's anchor, outer
+    state and exchange residuals. The counter always advances.
+
+    Bytes per device (:func:`streaming_diloco_bytes`): on fragment ``f``'s send step the
+    exact mean of its ``n_f`` elements, ``2 (N-1)/N * 4 n_f``, or the compressor's bytes
+    for its leaves; 0 on other steps; a peak of about ``1/P`` of a DiLoCo sync and the same
+    average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact
+    all-reduce of the gradients over the fast axis every step, ``2 (M-1)/M * 4 n``.
+
+    Args:
+      inner: the local optimizer (e.g. ``optax.adamw(1e-3)``); must not communicate.
+      outer: the outer optimizer, one state per fragment (e.g.
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+      sync_every: ``H``, inner steps between two syncs of the same fragment (``>= 1``).
+      fragments: ``P``, number of fragments; must divide ``sync_every`` and be at most the
+        number of parameter leaves.
+      overlap: ``tau``, steps between a fragment's send and its merge, ``0 <= tau < H``.
+      mix: ``alpha`` in ``[0, 1]``, the weight of the replica's own parameters at a merge.
+      compressor: ``None`` (exact fp32 mean) or a commjax compressor for
+        :func:`commjax.compressed_mean` on each fragment's pseudo-gradient (error
+        feedback per fragment; fragment ``f`` uses ``seed + f``).
+      axis_name: mesh axis (or tuple) of the workers; ``None`` for one worker.
+      inner_axis_name: optional fast mesh axis of data-parallel groups inside each worker:
+        gradients are averaged exactly over it every step, and the sync runs over
+        ``axis_name`` only. Parameters and state are then identical across this axis (lay
+        the state out with ``cj.state_specs(state, axis_name)``).
+      error_feedback, num_replicas, seed: as in :func:`commjax.diloco`.
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`.
+
+    Raises:
+      ValueError: bad options (named in the message, with the fix); at ``init``/``update``
+        more fragments than parameter leaves, ``params`` missing or replicated.
+      AxisNotBoundError: ``update`` called where an axis is not bound.
+    """
+    for name, tx in (("inner", inner), ("outer", outer)):
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"{_NAME}: `{name}` must be an optax.GradientTransformation, got {tx!r}.")
+    h, p, tau, alpha = _check_options(sync_every, fragments, overlap, mix)
+    axis_name = validation.check_axis_name("axis_name", axis_name, factory=_NAME)
+    inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory=_NAME)
+    validation.check_axis_pair(axis_name, inner_axis_name, factory=_NAME)
+    validation.check_bool("error_feedback", error_feedback, factory=_NAME)
+    exchanges = _exchanges(compressor, p, axis_name, error_feedback, num_replicas, seed)
+    cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges)
+    return optax.GradientTransformation(lambda params: _init(cfg, params),
+                                        lambda u, s, params=None: _update(cfg, u, s, params))

@@ -1,0 +1,329 @@
+"""Streaming DiLoCo: fragments synced at staggered steps, overlap, mixing, group axis."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import commjax as cj
+from commjax import _compat
+from commjax.optimizers.streaming_diloco import (
+    StreamingDiLoCoState, fragment_leaves, streaming_diloco, streaming_diloco_bytes,
+)
+from commjax.testing import ready, same_bits
+
+N = 8
+LR, OUT_LR, MU = 0.1, 0.7, 0.9
+SMALL = {"a": jnp.zeros((64,)), "b": jnp.zeros((64,)), "c": jnp.zeros((8, 8)), "d": jnp.zeros((64,))}
+BIG = {k: jnp.zeros((64, 64)) for k in "abcd"}  # 2 blocks of 256 per replica: no padding
+TWO = {"w": jnp.zeros((32, 32)), "b": jnp.zeros((32,))}  # one compressed leaf, one exact
+
+
+def nesterov():
+    return optax.sgd(OUT_LR, momentum=MU, nesterov=True)
+
+
+def _targets(params, n, seed=0):
+    """Replica ``i`` minimises ``0.5 |p - c_i|^2``: its gradient is ``p - c_i``."""
+    rng = np.random.default_rng(seed)
+    return [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(n)]
+
+
+class Driver:
+    """One compiled ``(params, grads, state) -> (updates, state)`` step over a mesh, with
+    per-replica params (leading axis) on ``axis_name`` (and grads on every device)."""
+
+    def __init__(self, tx, params, mesh, axis_name="data", grad_axes="data"):
+        self.tx, self.mesh, self.params = tx, mesh, params
+        self.state0 = cj.shard_state(tx.init(params), mesh, axis_name)
+        specs = cj.state_specs(self.state0, axis_name)
+        self.n = mesh.shape[axis_name]
+        self.p_shard = NamedSharding(mesh, P(axis_name))
+        self.g_shard = NamedSharding(mesh, P(grad_axes))
+
+        def body(p, g, s):
+            un = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
+            u, s = tx.update(un(g), s, un(p))
+            return jax.tree_util.tree_map(lambda a: a[None], u), s
+
+        self.fn = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(grad_axes), specs),
+                                            out_specs=(P(axis_name), specs)))
+
+    def stack(self, trees, shard):
+        return jax.device_put({k: np.stack([t[k] for t in trees]) for k in trees[0]}, shard)
+
+    def run(self, steps, grads_of, state=None, params=None):
+        """``grads_of(t, params per worker) -> list of per-device grad trees``; returns the
+        per-step (params per worker, state) log."""
+        state = self.state0 if state is None else state
+        p = params or [jax.tree_util.tree_map(np.asarray, self.params)] * self.n
+        log = []
+        for t in range(steps):
+            u, state = self.fn(*ready(self.stack(p, self.p_shard), self.stack(grads_of(t, p), self.g_shard),
+                                      state))
+            u = jax.device_get(ready(u))
+            p = [{k: p[i][k] + u[k][i] for k in u} for i in range(self.n)]
+            log.append((p, state))
+        return log
+
+
+def _anchor_copies(state, key):
+    """Every device's copy of the (replicated) anchor leaf."""
+    return [np.asarray(s.data) for s in state.anchor[key].addressable_shards]
+
+
+# ------------------------------------------------------------------------- reference
+
+
+def reference(p0, grads_of, steps, *, n_w, h, frags, tau, alpha, groups):
+    """The schedule in plain numpy (sgd inner, Nesterov outer, exact mean): per step the
+    workers' parameters and the anchor."""
+    keys = sorted(p0)
+    p = [{k: np.asarray(p0[k], np.float32) for k in keys} for _ in range(n_w)]
+    anchor = {k: np.asarray(p0[k], np.float32) for k in keys}
+    mom = {k: np.zeros_like(anchor[k]) for k in keys}
+    pending, s, log = {}, h // frags, []
+    for t in range(steps):
+        g = grads_of(t, p)
+        local = [{k: p[i][k] - np.float32(LR) * g[i][k] for k in keys} for i in range(n_w)]
+        r = (t + 1) % h
+        if r % s == 0:
+            f = (r // s + frags - 1) % frags
+            pending[f] = {keys[j]: np.mean([anchor[keys[j]] - w[keys[j]] for w in local], axis=0)
+                          for j in groups[f]}
+        r = (t + 1 - tau) % h
+        if t >= tau and r % s == 0:
+            f = (r // s + frags - 1) % frags
+            for k, m in pending.pop(f).items():
+                mom[k] = m + MU * mom[k]
+                anchor[k] = anchor[k] - OUT_LR * (m + MU * mom[k])
+                for w in local:
+                    w[k] = alpha * w[k] + (1 - alpha) * anchor[k]
+        p = local
+        log.append(([dict(w) for w in p], dict(anchor)))
+    return log
+
+
+def _quadratic(targets, groups_of=1):
+    """Gradients ``p - c_j`` on every device ``j``; device ``j`` belongs to worker ``j // groups_of``."""
+    return lambda t, p: [{k: p[j // groups_of][k] - c[k] for k in c} for j, c in enumerate(targets)]
+
+
+def _worker_means(targets, groups_of):
+    """The same problem seen by workers whose gradient is their group's exact mean."""
+    n_w = len(targets) // groups_of
+    cs = [{k: np.mean([targets[w * groups_of + j][k] for j in range(groups_of)], axis=0) for k in targets[0]}
+          for w in range(n_w)]
+    return lambda t, p: [{k: p[w][k] - c[k] for k in c} for w, c in enumerate(cs)]
+
+
+H, FRAGS, TAU, ALPHA, STEPS = 4, 2, 1, 0.5, 12
+
+
+@pytest.fixture(scope="module")
+def overlapped(mesh):
+    tx = streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, fragments=FRAGS, overlap=TAU, mix=ALPHA)
+    return Driver(tx, SMALL, mesh)
+
+
+def test_overlap_and_mix_follow_the_reference_schedule(overlapped):
+    targets = _targets(SMALL, N)
+    log = overlapped.run(STEPS, _quadratic(targets))
+    groups = fragment_leaves(SMALL, FRAGS)
+    assert groups == ((0, 1), (2, 3))
+    ref = reference(SMALL, _quadratic(targets), STEPS, n_w=N, h=H, frags=FRAGS, tau=TAU, alpha=ALPHA, groups=groups)
+    moved = set()
+    for t, ((p, state), (p_ref, a_ref)) in enumerate(zip(log, ref)):
+        for k in SMALL:
+            copies = _anchor_copies(state, k)
+            # Every device holds the same bits of every fragment's anchor, every step.
+            assert all(np.array_equal(c, copies[0]) for c in copies), (t, k)
+            np.testing.assert_allclose(copies[0], a_ref[k], rtol=2e-5, atol=1e-6, err_msg=f"{t} {k}")
+            for i in range(N):
+                np.testing.assert_allclose(p[i][k], p_ref[i][k], rtol=2e-5, atol=1e-6, err_msg=f"{t} {k} {i}")
+            if t and not np.array_equal(copies[0], _anchor_copies(log[t - 1][1], k)[0]):
+                moved.add((t, k))
+    # Fragment 0 (a, b) merges at steps 2, 6, 10; fragment 1 (c, d) at 4, 8 (t=0 has no
+    # predecessor to compare with).
+    assert moved == {(t, k) for t in (2, 6, 10) for k in "ab"} | {(t, k) for t in (4, 8) for k in "cd"}
+    assert int(np.asarray(log[-1][1].count)) == STEPS
+
+
+def test_sync_bytes_equal_the_plan_and_peak_is_one_fragment(overlapped):
+    state, n = overlapped.state0, N
+    glob = {k: jax.ShapeDtypeStruct((n,) + v.shape, v.dtype) for k, v in SMALL.items()}
+    rep = cj.collective_bytes(overlapped.fn, glob, glob, state)
+    plan = streaming_diloco_bytes(SMALL, n, sync_every=H, fragments=FRAGS)
+    per = {}
+    for c in rep:
+        assert c.in_conditional and c.group_size == n
+        per[c.computation] = per.get(c.computation, 0.0) + c.ring_bytes
+    assert sorted(per.values()) == pytest.approx(sorted(plan.per_fragment))
+    assert plan.per_fragment == (cj.exact_mean_bytes(128, n),) * 2
+    assert max(per.values()) == pytest.approx(plan.full_sync / FRAGS)
+    assert plan.per_inner_step == pytest.approx(plan.full_sync / H)
+
+
+def test_nan_on_one_replica_reaches_every_replica_at_the_merge(overlapped):
+    targets = _targets(SMALL, N, seed=1)
+    quad = _quadratic(targets)
+
+    def grads(t, p):
+        g = quad(t, p)
+        if t == 1:  # fragment 0's send step
+            g[3] = {k: v.copy() for k, v in g[3].items()}
+            g[3]["a"][5] = np.nan
+        return g
+
+    log = overlapped.run(3, grads)
+    (p1, s1), (p2, s2) = log[1:]
+    # Step 1: only replica 3's own update is NaN.
+    assert all(np.all(np.isnan(p1[3][k])) for k in SMALL)
+    assert all(np.all(np.isfinite(p1[i][k])) for i in range(N) if i != 3 for k in SMALL)
+    # Step 2 merges fragment 0's (NaN) mean: every replica's update is NaN, the anchor
+    # and the outer state are kept, the counter advances.
+    assert all(np.all(np.isnan(p2[i][k])) for i in range(N) for k in SMALL)
+    assert same_bits(s2.anchor, s1.anchor) and same_bits(s2.outer_state, s1.outer_state)
+    assert int(np.asarray(s2.count)) == 3
+    # Fragment 1's send (step 3) and merge (step 4) from clean parameters are finite.
+    clean = [jax.tree_util.tree_map(np.asarray, SMALL)] * N
+    (p3, s3), (p4, s4) = overlapped.run(2, quad, state=s2, params=clean)
+    assert all(np.all(np.isfinite(p4[i][k])) for i in range(N) for k in SMALL)
+    assert not same_bits(s4.anchor["c"], s2.anchor["c"])
+
+
+# ------------------------------------------------------------------------- diloco, compressed
+
+
+@pytest.mark.parametrize("compressor", [None, cj.quantize(4)], ids=["exact", "q4"])
+def test_one_fragment_no_overlap_is_diloco_bit_for_bit(mesh, compressor):
+    targets = _targets(TWO, N, seed=2)
+    make = dict(sync_every=2, compressor=compressor)
+    runs = [Driver(tx, TWO, mesh).run(5, _quadratic(targets)) for tx in (
+        cj.diloco(optax.adam(1e-2), nesterov(), **make),
+        streaming_diloco(optax.adam(1e-2), nesterov(), fragments=1, overlap=0, mix=0.0, **make))]
+    for (p_a, s_a), (p_b, s_b) in zip(*runs):
+        assert same_bits(p_a, p_b) and same_bits(s_a.anchor, s_b.anchor)
+        assert same_bits(s_a.inner_state, s_b.inner_state)
+    assert not same_bits(runs[0][0][1].anchor, runs[0][-1][1].anchor)
+
+
+@pytest.fixture(scope="module")
+def quantized(mesh):
+    tx = streaming_diloco(optax.sgd(LR), nesterov(), sync_every=8, fragments=4, compressor=cj.quantize(4))
+    return Driver(tx, BIG, mesh)
+
+
+def test_quantized_fragments_send_their_plan_and_a_quarter_of_a_sync(quantized):
+    glob = {k: jax.ShapeDtypeStruct((N,) + v.shape, v.dtype) for k, v in BIG.items()}
+    rep = cj.collective_bytes(quantized.fn, glob, glob, quantized.state0)
+    plan = streaming_diloco_bytes(BIG, N, sync_every=8, fragments=4, compressor=cj.quantize(4))
+    per = {}
+    for c in rep:
+        assert c.in_conditional
+        per[c.computation] = per.get(c.computation, 0.0) + c.ring_bytes
+    assert sorted(per.values()) == pytest.approx(sorted(plan.per_fragment))
+    assert max(per.values()) <= plan.full_sync / 4 + 1e-9
+    assert any(d.startswith("u") for c in rep for d in c.dtypes)
+    # 4-bit outer gradients: >= 7.5x fewer bytes per inner step than an fp32 DiLoCo sync.
+    exact = streaming_diloco_bytes(BIG, N, sync_every=8)
+    assert exact.per_inner_step >= 7.5 * plan.per_inner_step
+
+
+def test_quantized_anchors_identical_on_every_device_after_every_sync(quantized):
+    log = quantized.run(8, _quadratic(_targets(BIG, N, seed=3)))
+    for t, (_, state) in enumerate(log):
+        for k in BIG:
+            copies = _anchor_copies(state, k)
+            assert all(np.array_equal(c, copies[0]) for c in copies), (t, k)
+    # Fragment f syncs at step 2f + 1: each anchor moved exactly once in the round.
+    for f, k in enumerate("abcd"):
+        before, after = log[2 * f][1].anchor[k], log[2 * f + 1][1].anchor[k]
+        assert not np.array_equal(np.asarray(before), np.asarray(after))
+        assert np.array_equal(np.asarray(after), np.asarray(log[-1][1].anchor[k])) or f == 3
+
+
+# ------------------------------------------------------------------------- groups (2-D mesh)
+
+
+def test_groups_inside_workers_average_exactly_and_sync_over_the_slow_axis():
+    mesh = _compat.make_mesh((2, 4), ("dc", "data"))
+    tx = streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, fragments=FRAGS, overlap=TAU,
+                          mix=ALPHA, axis_name="dc", inner_axis_name="data")
+    drv = Driver(tx, SMALL, mesh, axis_name="dc", grad_axes=("dc", "data"))
+    targets = _targets(SMALL, N, seed=4)
+    log = drv.run(8, _quadratic(targets, groups_of=4))
+    groups = fragment_leaves(SMALL, FRAGS)
+    ref = reference(SMALL, _worker_means(targets, 4), 8, n_w=2, h=H, frags=FRAGS, tau=TAU, alpha=ALPHA,
+                    groups=groups)
+    for t, ((p, state), (p_ref, a_ref)) in enumerate(zip(log, ref)):
+        for k in SMALL:
+            copies = _anchor_copies(state, k)
+            assert all(np.array_equal(c, copies[0]) for c in copies), (t, k)
+            np.testing.assert_allclose(copies[0], a_ref[k], rtol=2e-5, atol=1e-6)
+            for w in range(2):
+                np.testing.assert_allclose(p[w][k], p_ref[w][k], rtol=2e-5, atol=1e-6)
+    glob = {k: jax.ShapeDtypeStruct((2,) + v.shape, v.dtype) for k, v in SMALL.items()}
+    g8 = {k: jax.ShapeDtypeStruct((8,) + v.shape, v.dtype) for k, v in SMALL.items()}
+    rep = cj.collective_bytes(drv.fn, glob, g8, drv.state0)
+    plan = streaming_diloco_bytes(SMALL, 2, sync_every=H, fragments=FRAGS, inner_replicas=4)
+    every_step = [c for c in rep if not c.in_conditional]
+    assert [c.group_size for c in every_step] == [4]
+    assert every_step[0].ring_bytes == pytest.approx(plan.inner_group)
+    synced = [c for c in rep if c.in_conditional]
+    assert {c.group_size for c in synced} == {2}
+    assert sorted(c.ring_bytes for c in synced) == pytest.approx(sorted(plan.per_fragment))
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sync_every=6, fragments=4), "`fragments` \\(4\\) must divide `sync_every` \\(6\\).*\\[1, 2, 3, 6\\]"),
+    (dict(sync_every=4, fragments=0), "`fragments`"),
+    (dict(sync_every=4, overlap=4), "`overlap` \\(4\\) must be smaller than `sync_every`"),
+    (dict(sync_every=4, overlap=-1), "`overlap`"),
+    (dict(sync_every=4, mix=1.5), "`mix` must be a number in \\[0.0, 1.0\\]"),
+    (dict(sync_every=4, mix=-0.1), "`mix`"),
+    (dict(sync_every=4, mix=float("nan")), "`mix`"),
+    (dict(sync_every=0), "`sync_every`"),
+    (dict(sync_every=4, axis_name="data", inner_axis_name="data"), "`inner_axis_name`"),
+    (dict(sync_every=4, axis_name=None, inner_axis_name="data"), "`inner_axis_name` needs"),
+])
+def test_bad_options_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        streaming_diloco(optax.sgd(0.1), nesterov(), **kwargs)
+
+
+def test_bad_types_and_too_many_fragments():
+    with pytest.raises(TypeError, match="`compressor`"):
+        streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, compressor="q4")
+    with pytest.raises(TypeError, match="`outer`"):
+        streaming_diloco(optax.sgd(0.1), lambda g: g, sync_every=4)
+    tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=8, fragments=8)
+    with pytest.raises(ValueError, match="`fragments` \\(8\\) is more than the parameters' 4 leaves"):
+        tx.init(SMALL)
+    tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4)
+    with pytest.raises(cj.AxisNotBoundError, match="shard_map"):
+        tx.update(SMALL, tx.init(SMALL), SMALL)
+    one = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, axis_name=None)
+    with pytest.raises(ValueError, match="params"):
+        one.update(SMALL, one.init(SMALL))
+
+
+def test_fragments_balance_elements_and_state_layout():
+    params = {"a": jnp.zeros((10,)), "b": jnp.zeros((30,)), "c": jnp.zeros((20,)), "d": jnp.zeros((50,))}
+    assert fragment_leaves(params, 1) == ((0, 1, 2, 3),)
+    assert fragment_leaves(params, 2) == ((0, 1, 2), (3,))
+    assert fragment_leaves(params, 4) == ((0,), (1,), (2,), (3,))
+    tx = streaming_diloco(optax.adam(1e-3), nesterov(), sync_every=4, fragments=2, overlap=1,
+                          compressor=cj.quantize(4), num_replicas=N)
+    s = tx.init(BIG)
+    assert isinstance(s, StreamingDiLoCoState)
+    mask = cj.per_replica_mask(s)
+    assert all(jax.tree_util.tree_leaves(mask.inner_state))
+    assert not any(jax.tree_util.tree_leaves((mask.anchor, mask.outer_state, mask.count, mask.pending)))
+    assert all(m.residual for m in mask.exchange) and len(s.exchange) == len(s.pending) == 2
+    assert [p.shape for p in s.pending[0]] == [(64, 64)] * 2
