@@ -13,6 +13,7 @@ from commjax.accounting import CollectiveReport, collective_bytes, exact_mean_by
 from commjax.compressors import (
     Compressor,
     cast,
+    fp8,
     hadamard,
     identity,
     powersgd,
@@ -53,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
+    "fp8",
     "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
     "decoupled_momentum", "DecoupledMomentumState", "decoupled_momentum_wire_bytes",
     "streaming_diloco", "streaming_diloco_bytes",

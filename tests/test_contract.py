@@ -47,6 +47,7 @@ CODECS = {
     "threshold": cj.threshold(1e-3, 64),
     "random_k": cj.random_k(0.1),
     "powersgd": cj.powersgd(2),
+    "fp8": cj.fp8("e5m2", block_size=64, stochastic=True),
 }
 
 

@@ -7,6 +7,7 @@ from commjax.compressors.powersgd import PowerSGD, PowerSGDState, powersgd
 from commjax.compressors.sign import Sign, sign
 from commjax.compressors.hadamard import Hadamard, hadamard
 from commjax.compressors.sparse import RandomK, Threshold, TopK, random_k, threshold, top_k
+from commjax.compressors.fp8 import Fp8, fp8
 
 __all__ = [
     "Compressor", "BlockCompressor", "Segment",
@@ -15,4 +16,5 @@ __all__ = [
     "identity", "cast", "quantize", "qsgd", "terngrad", "sign", "top_k", "random_k", "threshold",
     "powersgd",
     "Hadamard", "hadamard",
+    "Fp8", "fp8",
 ]

@@ -17,6 +17,8 @@ Kernels (references in :mod:`commjax.kernels.reference`):
 * :func:`sign_blocks` -- error feedback + scaled sign + 1-bit packing;
 * :func:`decode_rows`, :func:`decode_sum` -- unpack + dequantize (+ sum over the ``N``
   payloads a replica receives, in replica order, fp32);
+* :func:`fp8_blocks` -- error feedback + blockwise scaled FP8 rounding (nearest or
+  stochastic) + 4 codes per word (``cj.fp8``);
 * :func:`pack_codes`, :func:`unpack_codes` -- the bit-plane format of
   :mod:`commjax.packing` alone.
 
@@ -32,8 +34,10 @@ from commjax.kernels.decode import decode_rows, decode_sum
 from commjax.kernels.pack import pack_codes, unpack_codes
 from commjax.kernels.quantize import quantize_blocks
 from commjax.kernels.sign import sign_blocks
+from commjax.kernels.fp8 import fp8_blocks
 
 __all__ = [
     "IMPLS", "ENV_VAR", "VERIFIED_BACKENDS", "check_impl", "resolve_impl", "auto_impl",
     "fence", "quantize_blocks", "sign_blocks", "decode_rows", "decode_sum", "pack_codes", "unpack_codes",
+    "fp8_blocks",
 ]
