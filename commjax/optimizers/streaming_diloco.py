@@ -1,7 +1,7 @@
 """Streaming DiLoCo: DiLoCo whose parameters are synced in fragments at staggered steps.
 
 The parameter leaves are split into ``P`` static *fragments* of about equal size (whole
-leaves, contiguous in leaf order). Every replica trains locally with the inner
+leaves, balanced by element count: :func:`fragment_leaves`). Every replica trains locally with the inner
 optimizer; fragment ``f`` is synced once every ``H = sync_every`` steps, at its own step,
 the ``P`` fragments spread evenly over the round (one sync every ``H / P`` steps). With
 ``theta_f`` the fragment's anchor (shared by all replicas) and ``theta_{i,f}`` replica
@@ -107,21 +107,21 @@ class StreamingDiLoCoBytes(NamedTuple):
 
 def fragment_leaves(params: Any, fragments: int) -> tuple[tuple[int, ...], ...]:
     """Split the leaves of ``params`` (``jax.tree_util.tree_leaves`` order) into
-    ``fragments`` contiguous groups of about equal element counts: the cut after group
-    ``k`` is the leaf boundary closest to ``k/P`` of the elements. Every group holds at
-    least one leaf. Returns the leaf indices of each group."""
+    ``fragments`` groups of about equal element counts: leaves from the largest down
+    (ties in leaf order) each join the group with the fewest elements so far (the lowest
+    index among equals). Every group holds at least one leaf; the result depends only on
+    the leaves' shapes. Returns each group's leaf indices, in increasing order."""
     sizes = [int(np.prod(np.shape(l))) for l in jax.tree_util.tree_leaves(params)]
     if fragments > len(sizes):
         raise ValueError(
             f"{_NAME}: `fragments` ({fragments}) is more than the parameters' {len(sizes)} "
             f"leaves; fragments are whole leaves, so pass fragments <= {len(sizes)}.")
-    cum = np.cumsum([0] + sizes)
-    cuts = [0]
-    for k in range(1, fragments):
-        lo, hi = cuts[-1] + 1, len(sizes) - (fragments - k)
-        cuts.append(min(range(lo, hi + 1), key=lambda b: abs(cum[b] - k * cum[-1] / fragments)))
-    cuts.append(len(sizes))
-    return tuple(tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:]))
+    totals, groups = [0] * fragments, [[] for _ in range(fragments)]
+    for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        f = min(range(fragments), key=lambda g: (totals[g], g))
+        totals[f] += sizes[i]
+        groups[f].append(i)
+    return tuple(tuple(sorted(g)) for g in groups)
 
 
 @dataclasses.dataclass(frozen=True)
