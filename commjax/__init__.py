@@ -16,6 +16,7 @@ from commjax.compressors import (
     fp8,
     hadamard,
     identity,
+    lossless,
     powersgd,
     qsgd,
     quantize,
@@ -54,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
-    "fp8",
+    "fp8", "lossless",
     "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
     "decoupled_momentum", "DecoupledMomentumState", "decoupled_momentum_wire_bytes",
     "streaming_diloco", "streaming_diloco_bytes",

@@ -245,18 +245,50 @@ def _gather_impl(tree, axis_name, codec, key, invariant: bool):
         out[i] = gather(leaves[i])
     if items:
         rkey = replica_key(codec, key, axis_name, "all_gather")
-        words, start = [], 0
-        for it in items:
-            flat = jnp.pad(jnp.ravel(leaves[it.index]).astype(jnp.float32), (0, it.padded - it.size))
-            words.append(encode_rows(codec, flat[None], rkey, start=start)[0])
-            start += it.padded
-        got = gather(jnp.concatenate(words)[None])  # [N, W], replica r's words in row r
-        off = 0
-        for it in items:
-            vals = decode_rows(codec, got[:, off:off + it.words], it.padded)[:, :it.size]
-            out[it.index] = vals.reshape((n * it.shape[0],) + it.shape[1:]).astype(it.dtype)
-            off += it.words
+        flats = [jnp.pad(jnp.ravel(leaves[it.index]).astype(jnp.float32), (0, it.padded - it.size))
+                 for it in items]
+        got = _gather_encoded(codec, flats, items, gather, rkey)
+        vals = _fallback_cond(
+            codec, lambda: codec.payload_overflow(got), lambda: _decode_items(codec, got, items),
+            lambda: _decode_items(codec.fallback, _gather_encoded(codec.fallback, flats, items, gather, None),
+                                  items))
+        for it, v in zip(items, vals):
+            out[it.index] = v.reshape((n * it.shape[0],) + it.shape[1:]).astype(it.dtype)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _gather_encoded(codec, flats, items, gather, rkey):
+    """``[N, W]``: every replica's encoded leaves (replica ``r``'s words in row ``r``)."""
+    words, start = [], 0
+    for flat, it in zip(flats, items):
+        words.append(encode_rows(codec, flat[None], rkey, start=start)[0])
+        start += it.padded
+    return gather(jnp.concatenate(words)[None])
+
+
+def _decode_items(codec, got, items):
+    """Each item's ``[N, size]`` values from the gathered ``[N, W]`` words of ``codec``."""
+    vals, off = [], 0
+    for it in items:
+        words = codec.payload_words(it.padded)
+        vals.append(decode_rows(codec, got[:, off:off + words], it.padded)[:, :it.size])
+        off += words
+    return vals
+
+
+def _fallback_cond(codec, overflow, coded, raw):
+    """``coded()``, or ``raw()`` (which sends :attr:`Compressor.fallback`'s payload) when
+    ``overflow()`` is true: a replicated flag, so every replica takes the same branch and
+    joins the same collectives. Codecs without a fallback: ``coded()`` alone."""
+    if codec.fallback is None:
+        return coded()
+    return lax.cond(overflow(), raw, coded)
+
+
+def _overflow_anywhere(codec, words, axis_name):
+    """Replicated: some replica's ``words`` overflowed (one fp32 all-reduce of a flag; an
+    all-to-all leaves each replica only its own chunks to read)."""
+    return _compat.psum(codec.payload_overflow(words).astype(jnp.float32), axis_name) > 0
 
 
 def _slice_own(tree, axis_name, inner_axis_name):
@@ -403,16 +435,31 @@ def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
     for i in {it.index for it in items} ^ set(range(len(leaves))):
         out[i] = exact(leaves[i])
     if items:
-        words = _encode_chunks(codec, leaves, res_leaves, new_res, items, n,
-                               replica_key(codec, key, axis_name, "reduce_scatter"))
-        got = _compat.all_to_all(jnp.concatenate(words, axis=1), axis_name)  # [N, W]
-        off = 0
-        for it in items:
-            total = decode_sum(codec, got[:, off:off + it.words], it.padded, divide)[:it.size]
-            shape = (it.shape[0] // n,) + it.shape[1:]
-            out[it.index] = total.reshape(shape).astype(it.dtype)
-            off += it.words
+        words = jnp.concatenate(_encode_chunks(codec, leaves, res_leaves, new_res, items, n,
+                                               replica_key(codec, key, axis_name, "reduce_scatter")), axis=1)
+        got = _compat.all_to_all(words, axis_name)  # [N, W]
+
+        def raw():  # the same values (encoded from the same x + residual) in the fallback
+            fb = codec.fallback
+            fb_words = _encode_chunks(fb, leaves, res_leaves, None if res_leaves is None else list(res_leaves),
+                                      [it._replace(words=fb.payload_words(it.padded)) for it in items], n, None)
+            return _sum_items(fb, _compat.all_to_all(jnp.concatenate(fb_words, axis=1), axis_name), items, divide)
+
+        totals = _fallback_cond(codec, lambda: _overflow_anywhere(codec, words, axis_name),
+                                lambda: _sum_items(codec, got, items, divide), raw)
+        for it, total in zip(items, totals):
+            out[it.index] = total.reshape((it.shape[0] // n,) + it.shape[1:]).astype(it.dtype)
     return jax.tree_util.tree_unflatten(treedef, out), _unflat(treedef, new_res)
+
+
+def _sum_items(codec, got, items, divide):
+    """Each item's ``sum_r decode(got[r]) / divide`` from the exchanged ``[N, W]`` words."""
+    totals, off = [], 0
+    for it in items:
+        words = codec.payload_words(it.padded)
+        totals.append(decode_sum(codec, got[:, off:off + words], it.padded, divide)[:it.size])
+        off += words
+    return totals
 
 
 def _unflat(treedef, leaves):
@@ -674,12 +721,55 @@ class AllGather(Reducer):
         if not isinstance(codec, BlockCompressor):
             return _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals,
                                  server_residual)
+        if codec.fallback is not None:
+            return _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key,
+                                         residuals, server_residual)
         words, outs = _local_parts(codec, parts, segments, residuals, key)
         got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
         means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size, num_replicas)[:s.size]
                  for s in segments]
         finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
         return PartsResult(means, outs, _empty(server_residual), finite)
+
+
+def _with_residuals(parts, segments, residuals):
+    """Error feedback's ``y = part + residual`` per segment (fp32), or the parts."""
+    if residuals is None:
+        return list(parts)
+    return [p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
+            for p, r, s in zip(parts, residuals, segments)]
+
+
+def _encode_ys(codec, ys, segments, residuals, key):
+    """``(words, outs)`` of :func:`_local_parts` from the ``y`` already formed: the same
+    arithmetic (encode ``y``, ``y - C(y)``), with ``y`` kept for a fallback."""
+    words, local = _local_parts(codec, ys, segments, None, key)
+    if residuals is None:
+        return words, local
+    return words, [y[:s.size] - c for y, c, s in zip(ys, local, segments)]
+
+
+def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, residuals,
+                          server_residual):
+    """All-gather reducer of a codec with a :attr:`~Compressor.fallback`: the coded
+    payloads; and, if some gathered payload overflowed (read from the gathered words, the
+    same on every replica), the fallback's payloads of the same ``y``, whose mean is used."""
+    ys = _with_residuals(parts, segments, residuals)
+    words, outs = _encode_ys(codec, ys, segments, residuals, key)
+    got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
+
+    def means_of(c, g):
+        return [decode_sum(c, _segment_words(c, g, s), s.padded_size, num_replicas)[:s.size]
+                for s in segments]
+
+    def raw():
+        fb = codec.fallback
+        fb_words = jnp.concatenate([fb.encode(y, None, start=s.offset) for y, s in zip(ys, segments)])
+        return means_of(fb, _compat.all_gather_invariant(fb_words, axis_name, tiled=False))
+
+    means = lax.cond(codec.payload_overflow(got), raw, lambda: means_of(codec, got))
+    finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
+    return PartsResult(means, outs, _empty(server_residual), finite)
 
 
 def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual):
@@ -738,12 +828,16 @@ class TwoPhase(Reducer):
         chunk = codec.payload_bytes(m // num_replicas)
         server = self._server(codec).payload_bytes(m // num_replicas)
         return ring_bytes("all-to-all", num_replicas * chunk, num_replicas) + ring_bytes(
-            "all-gather", server, num_replicas)
+            "all-gather", server, num_replicas) + _flag_bytes(codec, num_replicas)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
                server_residual=None, server_error_feedback=True):
         n = sum(s.padded_size for s in segments)
         m = self.padded_length(codec, n, num_replicas)
+        if isinstance(codec, BlockCompressor) and codec.fallback is not None:
+            return _two_phase_with_fallback(
+                codec, self._server(codec), parts, segments, m, axis_name, num_replicas, key,
+                residuals, server_residual, server_error_feedback)
         if isinstance(codec, BlockCompressor):
             words, outs = _local_parts(codec, parts, segments, residuals, key)
             if m > n:  # whole zero blocks up to N chunks: their encoding, once
@@ -791,6 +885,13 @@ def _two_phase_exchange(codec, server, rows, chunk, axis_name, num_replicas, key
     the whole bucket and the new server residual."""
     received = _compat.all_to_all(rows, axis_name)
     mine = decode_sum(codec, received, chunk, num_replicas)
+    words, new_server, _ = _server_encode(server, mine, key, server_residual, server_error_feedback)
+    return _compat.all_gather_invariant(words, axis_name, tiled=True), new_server
+
+
+def _server_encode(server, mine, key, server_residual, server_error_feedback):
+    """The owner's re-encoding of its chunk's mean (with the server residual):
+    ``(words, new_server_residual, server_in)``."""
     keep = server_residual is not None and server_error_feedback
     server_in = mine + server_residual.astype(jnp.float32) if keep else mine
     server_key = None if key is None else jax.random.fold_in(key, 0x5E7)
@@ -799,7 +900,46 @@ def _two_phase_exchange(codec, server, rows, chunk, axis_name, num_replicas, key
         new_server = (server_in - local).astype(server_residual.dtype)
     else:
         new_server = _empty(None) if server_residual is None else jnp.zeros_like(server_residual)
-    return _compat.all_gather_invariant(words, axis_name, tiled=True), new_server
+    return words, new_server, server_in
+
+
+def _two_phase_with_fallback(codec, server, parts, segments, m, axis_name, num_replicas, key,
+                             residuals, server_residual, server_error_feedback):
+    """The two-phase reducer of a block codec with a :attr:`~Compressor.fallback`
+    (:func:`commjax.lossless`): at each phase the coded payloads travel, and if one
+    overflowed on some replica (an fp32 flag summed over the axis after the all-to-all;
+    read from the gathered words after the all-gather) the fallback's payloads of the
+    same values travel too, on every replica, and are the ones decoded."""
+    n, chunk = sum(s.padded_size for s in segments), m // num_replicas
+    ys = _with_residuals(parts, segments, residuals)
+    words, outs = _encode_ys(codec, ys, segments, residuals, key)
+    y = jnp.pad(flat_bucket.concat(ys), (0, m - n))
+    if m > n:  # whole zero blocks up to N chunks
+        words.append(codec.encode(jnp.zeros((m - n,), jnp.float32), key, start=n))
+    rows = jnp.concatenate(words).reshape(num_replicas, -1)
+    received = _compat.all_to_all(rows, axis_name)
+
+    def raw_sum():
+        fb_rows = codec.fallback.encode(y, None).reshape(num_replicas, -1)
+        return decode_sum(codec.fallback, _compat.all_to_all(fb_rows, axis_name), chunk, num_replicas)
+
+    mine = lax.cond(_overflow_anywhere(codec, rows, axis_name), raw_sum,
+                    lambda: decode_sum(codec, received, chunk, num_replicas))
+    words, new_server, server_in = _server_encode(server, mine, key, server_residual,
+                                                  server_error_feedback)
+    gathered = _compat.all_gather_invariant(words, axis_name, tiled=True)
+
+    def means_of(c, g):
+        return [c.decode(_segment_words(c, g, s), s.padded_size)[:s.size] for s in segments]
+
+    def raw_means():
+        fb = server.fallback
+        return means_of(fb, _compat.all_gather_invariant(fb.encode(server_in, None), axis_name, tiled=True))
+
+    means = _fallback_cond(server, lambda: server.payload_overflow(gathered),
+                           lambda: means_of(server, gathered), raw_means)
+    finite = _payload_finite(server, [_segment_words(server, gathered, s) for s in segments])
+    return PartsResult(means, outs, new_server, finite)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1166,7 +1306,14 @@ def _scatter_bytes(leaves, codec, n) -> float:
     items = _items(leaves, codec, n)
     done = {it.index for it in items}
     exact = sum(ring_bytes("reduce-scatter", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
-    return exact + ring_bytes("all-to-all", 4 * n * sum(it.words for it in items), n)
+    return exact + ring_bytes("all-to-all", 4 * n * sum(it.words for it in items), n) + (
+        _flag_bytes(codec, n) if items else 0.0)
+
+
+def _flag_bytes(codec, n) -> float:
+    """The fp32 overflow flag a codec with a fallback sums after an all-to-all (the
+    fallback's own collectives run only on overflow: not counted)."""
+    return ring_bytes("all-reduce", 4, n) if codec.fallback is not None else 0.0
 
 
 def _reduce_bytes(leaves, codec, n, reducer) -> float:

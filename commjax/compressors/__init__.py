@@ -8,6 +8,7 @@ from commjax.compressors.sign import Sign, sign
 from commjax.compressors.hadamard import Hadamard, hadamard
 from commjax.compressors.sparse import RandomK, Threshold, TopK, random_k, threshold, top_k
 from commjax.compressors.fp8 import Fp8, fp8
+from commjax.compressors.lossless import Lossless, lossless
 
 __all__ = [
     "Compressor", "BlockCompressor", "Segment",
@@ -16,5 +17,5 @@ __all__ = [
     "identity", "cast", "quantize", "qsgd", "terngrad", "sign", "top_k", "random_k", "threshold",
     "powersgd",
     "Hadamard", "hadamard",
-    "Fp8", "fp8",
+    "Fp8", "fp8", "Lossless", "lossless",
 ]

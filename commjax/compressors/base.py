@@ -143,6 +143,19 @@ class Compressor:
             total = total + (value if divide == 1 else value / divide)
         return total
 
+    @property
+    def fallback(self) -> Optional["Compressor"]:
+        """A codec whose fixed-size payload cannot carry every input (:func:`commjax.lossless`:
+        more escapes than a block has slots) names one that can; the reducers send it, on
+        every replica, when :meth:`payload_overflow` is true for some replica's payload.
+        ``None``: every input fits."""
+        return None
+
+    def payload_overflow(self, words: jax.Array) -> jax.Array:
+        """Whether ``words`` (any leading shape) hold a block that did not fit (codecs with
+        a :attr:`fallback` only)."""
+        raise TypeError(f"{self.name} payloads always fit: it has no fallback")
+
     def payload_finite(self, words: jax.Array) -> Optional[jax.Array]:
         """Whether the values ``words`` decode to are all finite, read from far fewer words
         than the decode (a scale per block), or ``None`` if the codec cannot tell. Every

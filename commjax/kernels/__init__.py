@@ -19,6 +19,8 @@ Kernels (references in :mod:`commjax.kernels.reference`):
   payloads a replica receives, in replica order, fp32);
 * :func:`fp8_blocks` -- error feedback + blockwise scaled FP8 rounding (nearest or
   stochastic) + 4 codes per word (``cj.fp8``);
+* :func:`lossless_encode` -- the fixed-rate lossless code of bfloat16 patterns
+  (``cj.lossless``);
 * :func:`pack_codes`, :func:`unpack_codes` -- the bit-plane format of
   :mod:`commjax.packing` alone.
 
@@ -35,9 +37,10 @@ from commjax.kernels.pack import pack_codes, unpack_codes
 from commjax.kernels.quantize import quantize_blocks
 from commjax.kernels.sign import sign_blocks
 from commjax.kernels.fp8 import fp8_blocks
+from commjax.kernels.lossless import lossless_encode
 
 __all__ = [
     "IMPLS", "ENV_VAR", "VERIFIED_BACKENDS", "check_impl", "resolve_impl", "auto_impl",
     "fence", "quantize_blocks", "sign_blocks", "decode_rows", "decode_sum", "pack_codes", "unpack_codes",
-    "fp8_blocks",
+    "fp8_blocks", "lossless_encode",
 ]

@@ -1,0 +1,189 @@
+"""Fixed-rate lossless compression of bfloat16 payloads: ``lossless``.
+
+Training traffic in bfloat16 carries far fewer bits than it occupies, mostly in the
+8-bit exponent: within a block of neighbouring values the exponents span a few binades.
+XLA collectives need static shapes, so this is a *fixed-rate* code (layout and maths in
+:mod:`commjax.kernels.lossless`): per block of ``B`` values one base exponent (the
+block's largest), a ``delta_bits``-bit distance below it per value (one code reserved for
+zeros and subnormals), the sign and mantissa raw, and ``escapes`` slots of (index,
+exponent) for values further below. Per element: ``8 + delta_bits + 16 (escapes + 1) /
+B`` bits rounded up to words: 12.5 (0.78 of bfloat16) at the defaults.
+
+Exactness: a float32 input is first rounded to bfloat16 (to nearest even, the bits
+:func:`commjax.cast` gives every non-NaN value), and every bfloat16 pattern (NaN
+payloads, +-inf, subnormals, -0) decodes to itself: :func:`bf16_bits` and
+:func:`bf16_value` convert with integer arithmetic, since XLA's conversions quiet NaN
+payloads. So ``decode(encode(x))`` is ``cast(bf16)``'s decode bit for bit (NaN aside), and training with ``lossless()``
+equals training with ``cast(jnp.bfloat16)`` through the same reducer.
+
+Escape overflow: when some block of some replica has more far-below exponents than
+slots, its payload cannot be decoded. The reducers read each payload's overflow bits
+(:meth:`Lossless.payload_overflow`): an all-gather reads them from the gathered payloads
+(every replica holds the same words), an all-to-all sums them in one fp32 all-reduce
+first; then every replica takes the same ``lax.cond`` branch and, on overflow, sends the
+raw :attr:`Lossless.fallback` payload as well (the bfloat16 patterns, 16 bits each:
+the bytes of ``cast(bf16)``). Only payloads that are
+gathered or exchanged whole can be lossless (a sum cannot): reducers ``"allgather"`` and
+``"two_phase"`` (all-to-all, a fixed-order fp32 sum, re-encoding, all-gather), and
+:func:`commjax.collectives.all_gather` / ``reduce_scatter`` (the traffic of
+:func:`commjax.zero`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import kernels as _kernels
+from commjax.compressors.base import BlockCompressor, Compressor, check_positive_int
+from commjax.kernels.lossless import header_column, lossless_decode, lossless_encode, lossless_words
+from commjax.validation import check_int
+
+__all__ = ["Lossless", "RawBf16", "lossless", "bf16_bits", "bf16_value"]
+
+
+def bf16_bits(x: jax.Array) -> jax.Array:
+    """The bfloat16 pattern (in uint32) of float32 ``x``, rounded to nearest even as
+    ``astype(jnp.bfloat16)`` does for every non-NaN value; a NaN keeps its sign and top
+    payload bits (quieted only if they are all zero, where truncation would give inf).
+    Integer arithmetic, because XLA's conversion quiets or canonicalizes NaN payloads."""
+    b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    top = b >> 16
+    return jnp.where(nan, top | jnp.where((top & 0x7F) == 0, 0x40, 0).astype(jnp.uint32),
+                     (b + 0x7FFF + (top & 1)) >> 16)
+
+
+def bf16_value(h: jax.Array) -> jax.Array:
+    """float32 of bfloat16 patterns ``h`` (uint32): exact for every pattern, NaN payloads
+    included."""
+    return lax.bitcast_convert_type(h << 16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBf16(BlockCompressor):
+    """bfloat16 patterns, two per word: :attr:`Lossless.fallback`. The values of
+    ``cast(bf16)``, converted with :func:`bf16_bits` / :func:`bf16_value` so that NaN
+    payloads survive as they do in the lossless code."""
+
+    name: ClassVar[str] = "raw_bf16"
+
+    @property
+    def block(self) -> int:
+        return 2
+
+    @property
+    def row_words(self) -> int:
+        return 1
+
+    def encode_blocks(self, blocks, key, start=0):
+        h = bf16_bits(blocks)
+        return (h[:, 0] | h[:, 1] << 16)[:, None]
+
+    def decode_blocks(self, rows):
+        return bf16_value(jnp.stack([rows[:, 0] & 0xFFFF, rows[:, 0] >> 16], axis=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lossless(BlockCompressor):
+    """bfloat16 values as base exponent + exponent deltas + raw sign/mantissa + escapes
+    (see :func:`lossless`). ``kernels`` picks the encoder's implementation."""
+
+    block_size: int = 256
+    delta_bits: int = 4
+    escapes: int = 7
+    kernels: Optional[str] = dataclasses.field(default=None, kw_only=True)
+    name: ClassVar[str] = "lossless"
+
+    @property
+    def block(self) -> int:
+        return self.block_size
+
+    @property
+    def row_words(self) -> int:
+        return lossless_words(self.block_size, self.delta_bits, self.escapes)
+
+    @property
+    def fallback(self) -> Compressor:
+        """What travels when some payload overflows its escapes: the same bfloat16
+        patterns raw, 16 bits each (:class:`RawBf16`, the bytes of ``cast(bf16)``)."""
+        return RawBf16()
+
+    def encode_blocks(self, blocks, key, start=0):
+        return lossless_encode(bf16_bits(blocks), delta_bits=self.delta_bits, escapes=self.escapes,
+                               impl=self.kernels)
+
+    def decode_blocks(self, rows):
+        return bf16_value(lossless_decode(rows, block_size=self.block_size,
+                                          delta_bits=self.delta_bits, escapes=self.escapes))
+
+    def encode_and_decode(self, x, key, segments=None, *, start: int = 0):
+        """``(encode(x), bf16(x))``: the decoded values are the bfloat16 rounding itself,
+        which is what a payload decodes to, and what the fallback carries where a block
+        overflowed (its coded words would not decode): error feedback stays exact."""
+        return self.encode(x, key, segments, start=start), bf16_value(bf16_bits(x))
+
+    def _headers(self, words: jax.Array) -> jax.Array:
+        rows = words.reshape(-1, self.row_words)
+        return rows[:, header_column(self.block_size, self.delta_bits)] & 0xFFFF
+
+    def payload_overflow(self, words: jax.Array) -> jax.Array:
+        """Whether some block of ``words`` (any leading shape) overflowed its escapes: then
+        it does not decode, and the reducers send :attr:`fallback` instead."""
+        return jnp.any((self._headers(words) >> 8) != 0)
+
+    def payload_finite(self, words):
+        """Finite iff no block's base exponent is 255 (the exponent of inf and NaN); read
+        from the header words, right even for a block that overflowed."""
+        return jnp.all((self._headers(words) & 0xFF) != 0xFF)
+
+
+def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int = 4,
+             escapes: int = 7, *, kernels: Optional[str] = None) -> Lossless:
+    """Fixed-rate lossless code of bfloat16 payloads: ``cast(bf16)``'s values in fewer bits.
+
+    Per block of ``block_size`` values: the largest exponent ``b``; per value a
+    ``delta_bits``-bit code, ``b - e`` for an exponent ``e`` within ``2**delta_bits - 2``
+    binades of ``b`` or "zero/subnormal"; the sign and 7 mantissa bits raw; ``escapes``
+    16-bit slots (index, exponent) for the values further below. Inputs are rounded to
+    bfloat16 first (round-to-nearest-even, as :func:`commjax.cast`); from there the code
+    is exact, for every bit pattern.
+
+    Bits per element: ``8 + delta_bits + 32 ceil((escapes + 1) / 2) / block_size``
+    (12.5 at the defaults, 0.78 of bfloat16's 16). A payload with a block that has more
+    than ``escapes`` far-below exponents on any replica travels as ``cast(bf16)`` too,
+    for that step (see the module docstring).
+
+    Usable wherever payloads are gathered or exchanged whole: ``compressed_mean`` with
+    ``reducer="allgather"`` or ``"two_phase"`` (the mean is summed in fp32 from the exact
+    bfloat16 values), :func:`commjax.collectives.all_gather` and ``reduce_scatter``, and
+    ``cj.zero(..., weight_codec=cj.lossless())``.
+
+    Args:
+      dtype: the wire dtype; ``jnp.bfloat16`` only.
+      block_size: values per base exponent, a multiple of 32 in ``[32, 256]`` (an escape's
+        index is one byte).
+      delta_bits: bits of each exponent code, 1 to 7.
+      escapes: escape slots per block, at least 1.
+      kernels: the :mod:`commjax.kernels` implementation of the encoder, as for
+        :func:`commjax.quantize`; the bits do not depend on it.
+    """
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"lossless: `dtype` must be jnp.bfloat16, got {dtype!r}; for float32 "
+                         "on the wire use cj.identity().")
+    check_positive_int("block_size", block_size, factory="lossless")
+    if block_size % 32 or block_size > 256:
+        raise ValueError(f"lossless: `block_size` must be a multiple of 32 in [32, 256], got "
+                         f"{block_size}; 256 compresses best.")
+    check_int("delta_bits", delta_bits, 1, factory="lossless")
+    if delta_bits > 7:
+        raise ValueError(f"lossless: `delta_bits` must be in [1, 7], got {delta_bits}.")
+    check_int("escapes", escapes, 1, factory="lossless")
+    if escapes > block_size:
+        raise ValueError(f"lossless: `escapes` must be at most block_size ({block_size}), got {escapes}.")
+    _kernels.check_impl(kernels, "lossless", "kernels")
+    return Lossless(block_size=block_size, delta_bits=delta_bits, escapes=escapes, kernels=kernels)
