@@ -179,8 +179,8 @@ def test_dct_matrix_orthonormal_and_round_trip():
     b = dm._basis(C)
     for it in dm._layout([jnp.zeros(s) for s in SHAPES.values()], cfg, "test"):
         x = jnp.asarray(np.random.default_rng(it.size).normal(size=it.size), jnp.float32)
-        coeff = dm._dct(dm._to_chunks(x, it, C), it, b)
-        back = dm._from_chunks(dm._idct(coeff, it, b), it, C)
+        coeff = dm._dct(dm._to_chunks(x, it, C), b)
+        back = dm._from_chunks(dm._idct(coeff, it.tiled, b), it, C)
         np.testing.assert_allclose(back, x, atol=1e-6)
         np.testing.assert_allclose(coeff.reshape(_ref_chunks(np.asarray(x).reshape(it.shape), C).shape),
                                    _ref_dct(_ref_chunks(np.asarray(x).reshape(it.shape), C)), atol=1e-5)
@@ -266,9 +266,9 @@ def test_hlo_bytes_equal_the_plan(values_dtype, n_rep):
                                             values_dtype=values_dtype)
     assert rep.total_ring_bytes == plan, rep.table()
     assert [c.kind for c in rep.collectives] == ["all-gather"] and rep.dtypes == {"u32"}
-    # Analytic count by hand: chunks per leaf a 4, w 4, t 3, b 2 -> 13 chunks, K each;
-    # each leaf's uint16 indices padded to whole words, then fp32 or bf16 values.
-    sent = [n * K for n in (4, 4, 3, 2)]
+    # Analytic count by hand: tiles a 4, w 4, t 3 -> 11; 1-D chunks b 2; K coefficients
+    # each; each group's uint16 indices padded to whole words, then fp32 or bf16 values.
+    sent = [11 * K, 2 * K]
     value_words = sum(sent) if values_dtype == jnp.float32 else sum(-(-s // 2) for s in sent)
     words = sum(-(-s // 2) for s in sent) + value_words
     assert plan == (n_rep - 1) * 4 * words

@@ -18,15 +18,21 @@ Chunking of a leaf (``c = chunk_size``):
   tiles (2-D DCT), each dimension padded with zeros up to a multiple of ``c``;
 * rank 0 or 1: cut into chunks of ``c`` (1-D DCT), the last one padded with zeros.
 
-Padding costs compute, never correctness: padded entries are zero in the momentum, and
-the part of an inverse DCT that lands on them is dropped (the error feedback holds on
-the leaf's own entries). ``top_k`` must not exceed the entries of a chunk (``c * c`` for
-tiles, ``c`` for 1-D chunks): that configuration is refused with the leaf named.
+Padding costs compute and never bytes (a tile sends ``k`` coefficients however much of it
+is padding): padded entries are zero in the momentum, and the part of an inverse DCT that
+lands on them is dropped, by the sender from what it subtracts and by every replica from
+``Q``, so ``Q`` is exactly the mean of what left the replicas' momenta. ``top_k`` must not
+exceed the entries of a chunk (``c * c`` for tiles, ``c`` for 1-D chunks): that
+configuration is refused with the leaf named.
 
-Bytes per device and step: one all-gather of ``W`` uint32 words per replica, with
-``W = sum_leaves ceil(L / 2) + L`` (fp32 values) or ``2 ceil(L / 2)`` (bf16 values) and
-``L = chunks * k``: ``(N - 1) * 4 W`` (:func:`decoupled_momentum_wire_bytes`). Nothing
-else is communicated; a NaN/Inf flag rides in the payload (see :func:`decoupled_momentum`).
+All tiles of the tree go through one DCT, one top-k and one inverse DCT together (as do
+all 1-D chunks), so the compiled step does not grow with the number of leaves.
+
+Bytes per device and step: one all-gather of ``W`` uint32 words per replica,
+``W = sum_groups ceil(L / 2) + L`` (fp32 values) or ``2 ceil(L / 2)`` (bf16 values), with
+``L = chunks * k`` the coefficients of a group (all tiles; all 1-D chunks):
+``(N - 1) * 4 W`` (:func:`decoupled_momentum_wire_bytes`). Nothing else is communicated;
+a NaN/Inf flag rides in the payload (see :func:`decoupled_momentum`).
 
 Reference: B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum Optimization",
 arXiv:2411.19870, 2024.
@@ -90,7 +96,7 @@ class DecoupledMomentumState(NamedTuple):
 
 
 class _Leaf(NamedTuple):
-    """Where one floating leaf lives in the momentum, the coefficients and the payload."""
+    """Where one floating leaf lives in the momentum and among its group's chunks."""
 
     index: int  # position among the tree's leaves
     shape: tuple
@@ -98,10 +104,19 @@ class _Leaf(NamedTuple):
     tiled: bool  # c x c tiles (rank >= 2) or 1-D chunks of c
     grid: tuple  # padded matrix (rows, cols) for tiles; (padded size,) for chunks
     chunks: int
-    elems: int  # entries of one chunk
     offset: int  # in the momentum bucket
-    coeff_offset: int  # in the flat coefficient buffer
-    index_words: int
+    first: int  # its first chunk among its group's chunks
+
+
+class _Group(NamedTuple):
+    """All tiles (or all 1-D chunks) of the tree, transformed and sent together."""
+
+    tiled: bool
+    members: tuple  # the _Leaf of each leaf in the group, in tree order
+    chunks: int
+    elems: int  # entries of one chunk
+    coeff_offset: int  # in the flat coefficient buffer of the decode
+    index_words: int  # chunks * top_k uint16 indices, two per word
     value_words: int
 
 
@@ -115,43 +130,63 @@ class _Config:
     weight_decay: float
     values_dtype: Any
 
+    @property
+    def bf16(self) -> bool:
+        return jnp.dtype(self.values_dtype) == jnp.dtype(jnp.bfloat16)
+
 
 def _round_up(n: int, a: int) -> int:
     return -(-int(n) // a) * a
 
 
-def _leaf_layout(i: int, shape: tuple, c: int, k: int, bf16: bool, offsets: tuple) -> _Leaf:
+def _leaf_layout(i: int, shape: tuple, c: int, offset: int, first: int) -> _Leaf:
     size = math.prod(shape)
-    tiled = len(shape) >= 2
-    if tiled:
+    if len(shape) >= 2:
         grid = (_round_up(size // shape[-1], c), _round_up(shape[-1], c))
-        chunks, elems = (grid[0] // c) * (grid[1] // c), c * c
-    else:
-        grid = (_round_up(max(size, 1), c),)
-        chunks, elems = grid[0] // c, c
-    sent = chunks * k
-    index_words = -(-sent // 2)
-    return _Leaf(i, shape, size, tiled, grid, chunks, elems, offsets[0], offsets[1],
-                 index_words, index_words if bf16 else sent)
+        return _Leaf(i, shape, size, True, grid, (grid[0] // c) * (grid[1] // c), offset, first)
+    grid = (_round_up(max(size, 1), c),)
+    return _Leaf(i, shape, size, False, grid, grid[0] // c, offset, first)
+
+
+def _check_fits(cfg: _Config, shape: tuple, elems: int, where: str) -> None:
+    if cfg.top_k > elems:
+        raise ValueError(
+            f"{where}: `top_k`={cfg.top_k} is more than the {elems} entries of a chunk "
+            f"of the leaf of shape {shape} (rank {len(shape)} leaves are cut into 1-D chunks "
+            f"of chunk_size={cfg.chunk_size}; rank >= 2 into chunk_size x chunk_size "
+            f"tiles). Pass top_k <= {elems}, or a larger chunk_size.")
 
 
 def _layout(leaves: Sequence[Any], cfg: _Config, where: str) -> tuple[_Leaf, ...]:
     """The static layout of the floating leaves; refuses a chunk smaller than ``top_k``."""
-    out, offset, coeff = [], 0, 0
-    bf16 = jnp.dtype(cfg.values_dtype) == jnp.dtype(jnp.bfloat16)
+    out, offset, first = [], 0, {True: 0, False: 0}
+    c = cfg.chunk_size
     for i, leaf in enumerate(leaves):
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             continue
         shape = tuple(jnp.shape(leaf))
-        it = _leaf_layout(i, shape, cfg.chunk_size, cfg.top_k, bf16, (offset, coeff))
-        if cfg.top_k > it.elems:
-            raise ValueError(
-                f"{where}: `top_k`={cfg.top_k} is more than the {it.elems} entries of a chunk "
-                f"of the leaf of shape {shape} (rank {len(shape)} leaves are cut into 1-D chunks "
-                f"of chunk_size={cfg.chunk_size}; rank >= 2 into chunk_size x chunk_size "
-                f"tiles). Pass top_k <= {it.elems}, or a larger chunk_size.")
+        tiled = len(shape) >= 2
+        _check_fits(cfg, shape, c * c if tiled else c, where)
+        it = _leaf_layout(i, shape, c, offset, first[tiled])
         out.append(it)
-        offset, coeff = offset + it.size, coeff + it.chunks * it.elems
+        offset, first[tiled] = offset + it.size, first[tiled] + it.chunks
+    return tuple(out)
+
+
+def _groups(layout: Sequence[_Leaf], cfg: _Config) -> tuple[_Group, ...]:
+    """The non-empty groups, tiles first: the order of the payload and of the decode."""
+    out, coeff = [], 0
+    for tiled in (True, False):
+        members = tuple(it for it in layout if it.tiled == tiled)
+        if not members:
+            continue
+        chunks = sum(it.chunks for it in members)
+        elems = cfg.chunk_size ** 2 if tiled else cfg.chunk_size
+        sent = chunks * cfg.top_k
+        index_words = -(-sent // 2)
+        out.append(_Group(tiled, members, chunks, elems, coeff, index_words,
+                          index_words if cfg.bf16 else sent))
+        coeff += chunks * elems
     return tuple(out)
 
 
@@ -175,20 +210,21 @@ def _from_chunks(chunks: jax.Array, it: _Leaf, c: int) -> jax.Array:
     return x.reshape(it.grid)[:rows, :cols].reshape(-1)
 
 
-def _dct(chunks: jax.Array, it: _Leaf, b: jax.Array) -> jax.Array:
-    """DCT-II coefficients of every chunk, flattened: ``[chunks, elems]``."""
-    if it.tiled:
+def _dct(chunks: jax.Array, b: jax.Array) -> jax.Array:
+    """DCT-II coefficients of every chunk (``B T B^T`` per tile ``[t, c, c]``, ``B T`` per
+    chunk ``[t, c]``), flattened: ``[t, elems]``."""
+    if chunks.ndim == 3:
         out = jnp.einsum("ij,tjk,lk->til", b, chunks, b, precision=_HIGHEST)
     else:
         out = jnp.einsum("tj,ij->ti", chunks, b, precision=_HIGHEST)
-    return out.reshape(it.chunks, it.elems)
+    return out.reshape(chunks.shape[0], -1)
 
 
-def _idct(coeff: jax.Array, it: _Leaf, b: jax.Array) -> jax.Array:
-    """Inverse of :func:`_dct` (``B^T C B`` per tile, ``B^T C`` per chunk)."""
+def _idct(coeff: jax.Array, tiled: bool, b: jax.Array) -> jax.Array:
+    """Inverse of :func:`_dct` on ``[t, elems]`` (``B^T C B`` per tile, ``B^T C`` per chunk)."""
     c = b.shape[0]
-    if it.tiled:
-        return jnp.einsum("ji,tjk,kl->til", b, coeff.reshape(it.chunks, c, c), b, precision=_HIGHEST)
+    if tiled:
+        return jnp.einsum("ji,tjk,kl->til", b, coeff.reshape(-1, c, c), b, precision=_HIGHEST)
     return jnp.einsum("ti,ij->tj", coeff, b, precision=_HIGHEST)
 
 
@@ -221,55 +257,58 @@ def _select(coeff: jax.Array, cfg: _Config, local_ok: jax.Array):
 
 
 def _value_words(vals: jax.Array, cfg: _Config) -> jax.Array:
-    if jnp.dtype(cfg.values_dtype) == jnp.dtype(jnp.bfloat16):
+    if cfg.bf16:
         return _pairs(lax.bitcast_convert_type(vals.astype(jnp.bfloat16), jnp.uint16))
     return lax.bitcast_convert_type(vals, jnp.uint32)
 
 
 def _values_of(words: jax.Array, count: int, cfg: _Config) -> jax.Array:
-    if jnp.dtype(cfg.values_dtype) == jnp.dtype(jnp.bfloat16):
+    if cfg.bf16:
         half = _unpairs(words, count).astype(jnp.uint16)
         return lax.bitcast_convert_type(half, jnp.bfloat16).astype(jnp.float32)
     return lax.bitcast_convert_type(words, jnp.float32)
 
 
-def _encode(cfg: _Config, m: jax.Array, layout, local_ok: jax.Array):
-    """This replica's payload (uint32 words) and what it sends, as momentum (``[n]``)."""
+def _encode(cfg: _Config, m: jax.Array, groups, local_ok: jax.Array):
+    """This replica's payload (uint32 words) and what it sends, as momentum (``[n]``).
+    Each group's chunks go through one DCT, one top-k and one inverse DCT."""
     b, c = _basis(cfg.chunk_size), cfg.chunk_size
-    words, sent = [], []
-    for it in layout:
-        chunks = _to_chunks(m[it.offset:it.offset + it.size], it, c)
-        coeff = _dct(chunks, it, b)
+    words, sent = [], {}
+    for grp in groups:
+        chunks = jnp.concatenate([_to_chunks(m[it.offset:it.offset + it.size], it, c)
+                                  for it in grp.members])
+        coeff = _dct(chunks, b)
         idx, vals = _select(coeff, cfg, local_ok)
         words += [_pairs(idx.reshape(-1)), _value_words(vals.reshape(-1), cfg)]
-        kept = jnp.zeros_like(coeff).at[jnp.arange(it.chunks)[:, None], idx].set(
+        kept = jnp.zeros_like(coeff).at[jnp.arange(grp.chunks)[:, None], idx].set(
             jnp.where(local_ok, vals, 0.0), unique_indices=True)
-        sent.append(_from_chunks(_idct(kept, it, b), it, c))
-    return jnp.concatenate(words), jnp.concatenate(sent)
+        back = _idct(kept, grp.tiled, b)
+        for it in grp.members:
+            sent[it.offset] = _from_chunks(back[it.first:it.first + it.chunks], it, c)
+    return jnp.concatenate(words), jnp.concatenate([sent[o] for o in sorted(sent)])
 
 
-def _positions_values(cfg: _Config, got: jax.Array, layout):
+def _positions_values(cfg: _Config, got: jax.Array, groups):
     """Every replica's coefficients as positions in the flat coefficient buffer and
     values: two ``[N, K]`` arrays (``K`` coefficients per replica)."""
     pos, vals, off = [], [], 0
-    sent = cfg.top_k
-    for it in layout:
-        count = it.chunks * sent
-        idx = _unpairs(got[:, off:off + it.index_words], count).astype(jnp.int32)
-        off += it.index_words
-        vals.append(_values_of(got[:, off:off + it.value_words], count, cfg))
-        off += it.value_words
-        chunk = jnp.repeat(jnp.arange(it.chunks, dtype=jnp.int32), sent)
-        pos.append(it.coeff_offset + chunk * it.elems + idx)
+    for grp in groups:
+        count = grp.chunks * cfg.top_k
+        idx = _unpairs(got[:, off:off + grp.index_words], count).astype(jnp.int32)
+        off += grp.index_words
+        vals.append(_values_of(got[:, off:off + grp.value_words], count, cfg))
+        off += grp.value_words
+        chunk = jnp.repeat(jnp.arange(grp.chunks, dtype=jnp.int32), cfg.top_k)
+        pos.append(grp.coeff_offset + chunk * grp.elems + idx)
     return jnp.concatenate(pos, axis=1), jnp.concatenate(vals, axis=1)
 
 
-def _decode(cfg: _Config, got: jax.Array, layout, n_rep: int):
-    """``(q, finite)``: ``idct(sum_s scatter(S_s) / N)`` per leaf (flat), summed in replica
-    order (the same words give the same bits on every replica), and whether the summed
-    coefficients are all finite."""
-    pos, vals = _positions_values(cfg, got, layout)
-    total = sum(it.chunks * it.elems for it in layout)
+def _decode(cfg: _Config, got: jax.Array, groups, n_rep: int):
+    """``(q, finite)``: ``idct(sum_s scatter(S_s) / N)`` per leaf (flat, by momentum
+    offset), summed in replica order (the same words give the same bits on every
+    replica), and whether the summed coefficients are all finite."""
+    pos, vals = _positions_values(cfg, got, groups)
+    total = sum(grp.chunks * grp.elems for grp in groups)
 
     def add(acc, pv):
         # One replica's positions are distinct, so its scatter-add has no order to choose.
@@ -277,11 +316,13 @@ def _decode(cfg: _Config, got: jax.Array, layout, n_rep: int):
 
     dense, _ = lax.scan(add, jnp.zeros((total,), jnp.float32), (pos, vals))
     b, c = _basis(cfg.chunk_size), cfg.chunk_size
-    out = []
-    for it in layout:
-        coeff = dense[it.coeff_offset:it.coeff_offset + it.chunks * it.elems]
-        out.append(_from_chunks(_idct(coeff.reshape(it.chunks, it.elems), it, b), it, c))
-    return out, guards.all_finite(dense)
+    q = {}
+    for grp in groups:
+        coeff = dense[grp.coeff_offset:grp.coeff_offset + grp.chunks * grp.elems]
+        back = _idct(coeff.reshape(grp.chunks, grp.elems), grp.tiled, b)
+        for it in grp.members:
+            q[it.offset] = _from_chunks(back[it.first:it.first + it.chunks], it, c)
+    return q, guards.all_finite(dense)
 
 
 def _exchange(cfg: _Config, words: jax.Array, n_rep: int) -> jax.Array:
@@ -313,8 +354,8 @@ def _steps(cfg: _Config, leaves, treedef, layout, q, params, lr, bad):
     ``bad``); zeros for non-floating leaves."""
     out = [jnp.zeros_like(l) for l in leaves]
     p_leaves = treedef.flatten_up_to(params) if cfg.weight_decay else None
-    for it, qi in zip(layout, q):
-        step = jnp.sign(qi).reshape(it.shape)
+    for it in layout:
+        step = jnp.sign(q[it.offset]).reshape(it.shape)
         if p_leaves is not None:
             step = step + cfg.weight_decay * p_leaves[it.index].astype(jnp.float32)
         out[it.index] = jnp.where(bad, jnp.nan, -lr * step).astype(leaves[it.index].dtype)
@@ -329,8 +370,9 @@ def _update(cfg: _Config, updates: Any, state: DecoupledMomentumState, params: A
     g = jnp.concatenate([jnp.ravel(leaves[it.index]).astype(jnp.float32) for it in layout])
     m = cfg.beta * state.momentum + g
     local_ok = guards.all_finite(m)
-    words, sent = _encode(cfg, m, layout, local_ok)
-    q, ok = _decode(cfg, _exchange(cfg, words, n_rep), layout, n_rep)
+    groups = _groups(layout, cfg)
+    words, sent = _encode(cfg, m, groups, local_ok)
+    q, ok = _decode(cfg, _exchange(cfg, words, n_rep), groups, n_rep)
     bad = jnp.logical_not(ok)  # the same on every replica: decoded from the same words
     lr = jnp.asarray(cfg.learning_rate(state.count) if callable(cfg.learning_rate)
                      else cfg.learning_rate, jnp.float32)
@@ -458,5 +500,5 @@ def decoupled_momentum_wire_bytes(
     validation.check_positive_int("num_replicas", num_replicas, factory="decoupled_momentum_wire_bytes")
     cfg = _Config(0.0, 0.0, chunk_size, top_k, None, 0.0, values_dtype)
     layout = _layout(jax.tree_util.tree_leaves(params), cfg, "decoupled_momentum_wire_bytes")
-    words = sum(it.index_words + it.value_words for it in layout)
+    words = sum(grp.index_words + grp.value_words for grp in _groups(layout, cfg))
     return ring_bytes("all-gather", 4 * words, num_replicas)
