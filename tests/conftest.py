@@ -1,8 +1,12 @@
 """Test configuration: 8 simulated CPU devices, set before JAX is imported."""
 import os
 
+# Backend optimisation level 0: the tests compile hundreds of small programs and run each
+# for a few steps, so LLVM's optimisation passes cost more than they save. The HLO (and so
+# every byte count) is the same at every level.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
