@@ -366,7 +366,7 @@ def _update(cfg: _Config, updates: Any, state: DecoupledMomentumState, params: A
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     layout, n_rep = _validate(cfg, leaves, state, params)
     if not layout:
-        return updates, state._replace(count=state.count + 1)
+        return jax.tree_util.tree_map(jnp.zeros_like, updates), state._replace(count=state.count + 1)
     g = jnp.concatenate([jnp.ravel(leaves[it.index]).astype(jnp.float32) for it in layout])
     m = cfg.beta * state.momentum + g
     local_ok = guards.all_finite(m)
