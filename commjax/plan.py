@@ -117,6 +117,22 @@ def route_leaf(
     return COMPRESS
 
 
+def _compressed_route(compressor: Compressor, reducer: str, n: int, num_replicas: int,
+                      segments: list) -> tuple:
+    """(reducer object, reducer name, bytes per step, server residual size) of the
+    compressed buffer of ``n`` elements."""
+    exchange = exchange_for(compressor)
+    if exchange is not None:
+        red = "custom" if num_replicas > 1 else "none"
+        comp_bytes = exchange.bytes(compressor, segments, num_replicas) if n and num_replicas > 1 else 0.0
+        return None, red, comp_bytes, 0
+    obj = choose_reducer(compressor, reducer, max(n, compressor.alignment), num_replicas, segments)
+    red = "none" if obj is None else obj.name
+    comp_bytes = obj.bytes(compressor, n, num_replicas, segments) if n and obj else 0.0
+    server = obj.server_residual_size(compressor, n, num_replicas) if obj else 0
+    return obj, red, comp_bytes, server
+
+
 def make_plan(
     leaves: Sequence[Any],
     compressor: Compressor,
@@ -153,16 +169,7 @@ def make_plan(
     if compressor.shared_randomness and segments and num_replicas > 1:
         exact += 4  # replica 0's key, shared through the exact all-reduce
     n = offset
-    exchange = exchange_for(compressor)
-    server, obj = 0, None
-    if exchange is not None:
-        red = "custom" if num_replicas > 1 else "none"
-        comp_bytes = exchange.bytes(compressor, segments, num_replicas) if n and num_replicas > 1 else 0.0
-    else:
-        obj = choose_reducer(compressor, reducer, max(n, align), num_replicas, segments)
-        red = "none" if obj is None else obj.name
-        comp_bytes = obj.bytes(compressor, n, num_replicas, segments) if n and obj else 0.0
-        server = obj.server_residual_size(compressor, n, num_replicas) if obj else 0
+    obj, red, comp_bytes, server = _compressed_route(compressor, reducer, n, num_replicas, segments)
     # One bucket: fp32, or float64 throughout when a float64 leaf is in it.
     exact_bytes = ring_bytes("all-reduce", (8 if wide else 4) * exact, num_replicas) if exact else 0.0
     return CommunicationPlan(

@@ -444,6 +444,44 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     return jax.tree_util.tree_unflatten(treedef, out), new_state
 
 
+def _check_options(compressor: Compressor, *, reducer: str, axis_name: Any, inner_axis_name: Any,
+                   error_feedback: Any, compress_vectors: Any, server_error_feedback: Any,
+                   check_finite: Any, seed: Any, min_compress_size: Any, residual_dtype: Any,
+                   num_replicas: Any) -> None:
+    """compressed_mean's options, each refused by name with the fix."""
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"compressed_mean: `compressor` must be a commjax compressor such as "
+            f"cj.quantize(bits=8), got {compressor!r}.")
+    exchange = exchange_for(compressor)
+    if exchange is not None and reducer != "auto":
+        raise ValueError(
+            f"compressed_mean: {compressor.name} runs its own exchange; `reducer` must be "
+            f"'auto', got {reducer!r}.")
+    if exchange is None:
+        check_reducer(compressor, reducer)
+    factory = "compressed_mean"
+    axis_name = validation.check_axis_name("axis_name", axis_name, factory=factory)
+    inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory=factory)
+    validation.check_axis_pair(axis_name, inner_axis_name, factory=factory)
+    for name, value in (("error_feedback", error_feedback), ("compress_vectors", compress_vectors),
+                        ("server_error_feedback", server_error_feedback),
+                        ("check_finite", check_finite)):
+        validation.check_bool(name, value, factory=factory)
+    validation.check_seed("seed", seed, factory=factory)
+    if error_feedback and getattr(compressor, "rescale", False):
+        raise ValueError(
+            "compressed_mean: random_k(rescale=True) is unbiased on its own; with error feedback "
+            "the rescaled estimate overshoots and the residual grows without bound. Pass "
+            "error_feedback=False, or random_k(rescale=False) with error feedback.")
+    validation.check_int("min_compress_size", min_compress_size, 1, factory=factory)
+    # float16 is refused: its range (65504) overflows with loss-scaled gradients, and an
+    # infinite residual would poison every later mean of its leaf.
+    validation.check_dtype("residual_dtype", residual_dtype, ("float32", "bfloat16"), factory=factory)
+    if num_replicas is not None:
+        validation.check_positive_int("num_replicas", num_replicas, factory=factory)
+
+
 def compressed_mean(
     compressor: Compressor,
     axis_name: Any = "data",
@@ -520,37 +558,11 @@ def compressed_mean(
       ValueError: bad options (named in the message), at construction.
       AxisNotBoundError: at update, if ``axis_name`` is not bound.
     """
-    if not isinstance(compressor, Compressor):
-        raise TypeError(
-            f"compressed_mean: `compressor` must be a commjax compressor such as "
-            f"cj.quantize(bits=8), got {compressor!r}.")
-    exchange = exchange_for(compressor)
-    if exchange is not None and reducer != "auto":
-        raise ValueError(
-            f"compressed_mean: {compressor.name} runs its own exchange; `reducer` must be "
-            f"'auto', got {reducer!r}.")
-    if exchange is None:
-        check_reducer(compressor, reducer)
-    factory = "compressed_mean"
-    axis_name = validation.check_axis_name("axis_name", axis_name, factory=factory)
-    inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory=factory)
-    validation.check_axis_pair(axis_name, inner_axis_name, factory=factory)
-    for name, value in (("error_feedback", error_feedback), ("compress_vectors", compress_vectors),
-                        ("server_error_feedback", server_error_feedback),
-                        ("check_finite", check_finite)):
-        validation.check_bool(name, value, factory=factory)
-    seed = validation.check_seed("seed", seed, factory=factory)
-    if error_feedback and getattr(compressor, "rescale", False):
-        raise ValueError(
-            "compressed_mean: random_k(rescale=True) is unbiased on its own; with error feedback "
-            "the rescaled estimate overshoots and the residual grows without bound. Pass "
-            "error_feedback=False, or random_k(rescale=False) with error feedback.")
-    validation.check_int("min_compress_size", min_compress_size, 1, factory=factory)
-    # float16 is refused: its range (65504) overflows with loss-scaled gradients, and an
-    # infinite residual would poison every later mean of its leaf.
-    validation.check_dtype("residual_dtype", residual_dtype, ("float32", "bfloat16"), factory=factory)
-    if num_replicas is not None:
-        validation.check_positive_int("num_replicas", num_replicas, factory=factory)
+    _check_options(compressor, reducer=reducer, axis_name=axis_name,
+                   inner_axis_name=inner_axis_name, error_feedback=error_feedback,
+                   compress_vectors=compress_vectors, server_error_feedback=server_error_feedback,
+                   check_finite=check_finite, seed=seed, min_compress_size=min_compress_size,
+                   residual_dtype=residual_dtype, num_replicas=num_replicas)
     cfg = ExchangeConfig(
         compressor=compressor, axis_name=validation.normalize_axis(axis_name),
         inner_axis_name=validation.normalize_axis(inner_axis_name),
