@@ -13,8 +13,9 @@ Exactness: a float32 input is first rounded to bfloat16 (to nearest even, the bi
 :func:`commjax.cast` gives every non-NaN value), and every bfloat16 pattern (NaN
 payloads, +-inf, subnormals, -0) decodes to itself: :func:`bf16_bits` and
 :func:`bf16_value` convert with integer arithmetic, since XLA's conversions quiet NaN
-payloads. So ``decode(encode(x))`` is ``cast(bf16)``'s decode bit for bit (NaN aside), and training with ``lossless()``
-equals training with ``cast(jnp.bfloat16)`` through the same reducer.
+payloads. So ``decode(encode(x))`` is ``cast(bf16)``'s decode bit for bit (NaN aside),
+and training with ``lossless()`` equals training with ``cast(jnp.bfloat16)`` through the
+same reducer.
 
 Escape overflow: when some block of some replica has more far-below exponents than
 slots, its payload cannot be decoded. The reducers read each payload's overflow bits
@@ -22,11 +23,14 @@ slots, its payload cannot be decoded. The reducers read each payload's overflow 
 (every replica holds the same words), an all-to-all sums them in one fp32 all-reduce
 first; then every replica takes the same ``lax.cond`` branch and, on overflow, sends the
 raw :attr:`Lossless.fallback` payload as well (the bfloat16 patterns, 16 bits each:
-the bytes of ``cast(bf16)``). Only payloads that are
-gathered or exchanged whole can be lossless (a sum cannot): reducers ``"allgather"`` and
-``"two_phase"`` (all-to-all, a fixed-order fp32 sum, re-encoding, all-gather), and
-:func:`commjax.collectives.all_gather` / ``reduce_scatter`` (the traffic of
-:func:`commjax.zero`).
+the bytes of ``cast(bf16)``). Such a step costs the coded payload plus the raw one; the
+exponent spread of gradients early in training (from initialization) causes most of
+them, so ``delta_bits=5`` (31 binades per block) suits gradients from step 0.
+
+Only payloads that are gathered or exchanged whole can be lossless (a sum cannot):
+reducers ``"allgather"`` and ``"two_phase"`` (all-to-all, a fixed-order fp32 sum,
+re-encoding, all-gather), and :func:`commjax.collectives.all_gather` /
+``reduce_scatter`` (the traffic of :func:`commjax.zero`).
 """
 
 from __future__ import annotations
@@ -126,6 +130,12 @@ class Lossless(BlockCompressor):
         which is what a payload decodes to, and what the fallback carries where a block
         overflowed (its coded words would not decode): error feedback stays exact."""
         return self.encode(x, key, segments, start=start), bf16_value(bf16_bits(x))
+
+    def roundtrip(self, x: jax.Array, key: Optional[jax.Array] = None) -> jax.Array:
+        """What every replica receives for ``x`` (any shape, float dtype): its bfloat16
+        rounding, exact even where a block would overflow (the fallback carries it)."""
+        x = jnp.asarray(x)
+        return bf16_value(bf16_bits(jnp.ravel(x))).reshape(x.shape).astype(x.dtype)
 
     def _headers(self, words: jax.Array) -> jax.Array:
         rows = words.reshape(-1, self.row_words)
