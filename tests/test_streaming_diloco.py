@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
+from commjax.accounting import parse_hlo_collectives
 from commjax.optimizers.streaming_diloco import (
     StreamingDiLoCoState, fragment_leaves, streaming_diloco, streaming_diloco_bytes,
 )
@@ -48,8 +49,12 @@ class Driver:
             u, s = tx.update(un(g), s, un(p))
             return jax.tree_util.tree_map(lambda a: a[None], u), s
 
-        self.fn = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(grad_axes), specs),
-                                            out_specs=(P(axis_name), specs)))
+        fn = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(grad_axes), specs),
+                                       out_specs=(P(axis_name), specs)))
+        glob = lambda n: {k: jax.ShapeDtypeStruct((n,) + v.shape, v.dtype) for k, v in params.items()}  # noqa: E731
+        # One compilation serves the run and the byte count.
+        self.fn = fn.lower(glob(self.n), glob(mesh.devices.size), self.state0).compile()
+        self.collectives = parse_hlo_collectives(self.fn.as_text())
 
     def stack(self, trees, shard):
         return jax.device_put({k: np.stack([t[k] for t in trees]) for k in trees[0]}, shard)
@@ -152,9 +157,7 @@ def test_overlap_and_mix_follow_the_reference_schedule(overlapped):
 
 
 def test_sync_bytes_equal_the_plan_and_peak_is_one_fragment(overlapped):
-    state, n = overlapped.state0, N
-    glob = {k: jax.ShapeDtypeStruct((n,) + v.shape, v.dtype) for k, v in SMALL.items()}
-    rep = cj.collective_bytes(overlapped.fn, glob, glob, state)
+    rep, n = overlapped.collectives, N
     plan = streaming_diloco_bytes(SMALL, n, sync_every=H, fragments=FRAGS)
     per = {}
     for c in rep:
@@ -217,8 +220,7 @@ def quantized(mesh):
 
 
 def test_quantized_fragments_send_their_plan_and_a_quarter_of_a_sync(quantized):
-    glob = {k: jax.ShapeDtypeStruct((N,) + v.shape, v.dtype) for k, v in BIG.items()}
-    rep = cj.collective_bytes(quantized.fn, glob, glob, quantized.state0)
+    rep = quantized.collectives
     plan = streaming_diloco_bytes(BIG, N, sync_every=8, fragments=4, compressor=cj.quantize(4))
     per = {}
     for c in rep:
@@ -265,9 +267,7 @@ def test_groups_inside_workers_average_exactly_and_sync_over_the_slow_axis():
             np.testing.assert_allclose(copies[0], a_ref[k], rtol=2e-5, atol=1e-6)
             for w in range(2):
                 np.testing.assert_allclose(p[w][k], p_ref[w][k], rtol=2e-5, atol=1e-6)
-    glob = {k: jax.ShapeDtypeStruct((2,) + v.shape, v.dtype) for k, v in SMALL.items()}
-    g8 = {k: jax.ShapeDtypeStruct((8,) + v.shape, v.dtype) for k, v in SMALL.items()}
-    rep = cj.collective_bytes(drv.fn, glob, g8, drv.state0)
+    rep = drv.collectives
     plan = streaming_diloco_bytes(SMALL, 2, sync_every=H, fragments=FRAGS, inner_replicas=4)
     every_step = [c for c in rep if not c.in_conditional]
     assert [c.group_size for c in every_step] == [4]

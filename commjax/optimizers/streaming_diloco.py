@@ -256,10 +256,14 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params):
         ops = _switch(cfg, _due(cfg, state.count, 0),
                       _sync_branches(cfg, groups, p_leaves, local, True, True), ops)
     else:
-        ops = _switch(cfg, _due(cfg, state.count, 0),
-                      _sync_branches(cfg, groups, p_leaves, local, True, False), ops)
-        ops = _switch(cfg, _due(cfg, state.count, cfg.overlap),
-                      _sync_branches(cfg, groups, p_leaves, local, False, True), ops)
+        # Both read the state as it came in: the merge (of a mean sent tau >= 1 steps ago,
+        # another fragment's) does not wait for this step's send, so nothing computed
+        # after it depends on the collective until the merge tau steps later.
+        sent = _switch(cfg, _due(cfg, state.count, 0),
+                       _sync_branches(cfg, groups, p_leaves, local, True, False), ops)
+        merged = _switch(cfg, _due(cfg, state.count, cfg.overlap),
+                         _sync_branches(cfg, groups, p_leaves, local, False, True), ops)
+        ops = merged[:3] + sent[3:5] + merged[5:]
     step, anchor, outer_state, exchange, pending, bad = ops
     # A non-finite merged mean (a NaN on any replica) is NaN on every replica's update.
     step = [jnp.where(bad, jnp.nan, s).astype(s.dtype) for s in step]
