@@ -4,6 +4,9 @@ Python standard library's own source code with a compressed gradient exchange.
     python examples/02_char_transformer.py --devices 8 --compressor quantize --bits 4
     python examples/02_char_transformer.py --devices 8 --compressor powersgd --rank 4
     python examples/02_char_transformer.py --devices 8 --optimizer onebit_adam
+    python examples/02_char_transformer.py --devices 8 --optimizer streaming_diloco \\
+        --sync-every 20 --fragments 4 --overlap 1 --mix 0.5 --compressor quantize --bits 4
+    python examples/02_char_transformer.py --devices 8 --optimizer decoupled_momentum --lr 1e-3
     python examples/02_char_transformer.py --devices 4 --steps 200 \\
         --checkpoint-dir /tmp/charlm --checkpoint-every 50      # then add --resume
 
@@ -11,7 +14,9 @@ The text is read from ``os.path.dirname(os.__file__)`` (nothing is downloaded); 
 last 5% is held out for evaluation. Every replica trains on its own random windows;
 ``cj.compressed_mean`` exchanges the gradients (``--compressor`` and its options), and
 ``--optimizer`` follows it. The commjax optimizers (``onebit_adam``, ``dgc``,
-``diloco``) run their own compressed exchange instead.
+``diloco``, ``streaming_diloco``, ``decoupled_momentum``) run their own compressed
+exchange instead (``streaming_diloco`` sends its outer gradients through
+``--compressor``; ``identity`` is the exact fp32 mean).
 
 Checkpoints (orbax) hold the parameters and the whole optimizer state: error-feedback
 residuals, step counters, PRNG keys, compressor state. The batches are a pure function

@@ -16,7 +16,7 @@ COMPRESSORS = (
 # Optimizers applied after `compressed_mean` (the compressor flags choose the exchange) ...
 PLAIN_OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 # ... and commjax optimizers that run their own compressed exchange.
-COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb", "dgc", "diloco")
+COMM_OPTIMIZERS = ("onebit_adam", "onebit_lamb", "dgc", "diloco", "streaming_diloco", "decoupled_momentum")
 OPTIMIZERS = PLAIN_OPTIMIZERS + COMM_OPTIMIZERS
 
 
@@ -94,7 +94,22 @@ def add_compression_args(p: argparse.ArgumentParser, *, compressor: str = "quant
                         f"cj.compressed_mean; {', '.join(COMM_OPTIMIZERS)} are commjax optimizers "
                         "with their own compressed exchange (the compressor flags are then ignored)")
     g.add_argument("--sync-every", type=positive_int, default=8,
-                   help="diloco: inner steps between outer synchronisations (default 8)")
+                   help="diloco/streaming_diloco: inner steps between outer synchronisations "
+                        "(of one fragment; default 8)")
+    g.add_argument("--fragments", type=positive_int, default=2,
+                   help="streaming_diloco: fragments synced at staggered steps; divides "
+                        "--sync-every (default 2)")
+    g.add_argument("--overlap", type=nonneg_int, default=0,
+                   help="streaming_diloco: steps between a fragment's send and its merge (default 0)")
+    g.add_argument("--mix", type=float, default=0.0,
+                   help="streaming_diloco: weight of the worker's own parameters at a merge, "
+                        "in [0, 1] (default 0)")
+    g.add_argument("--chunk-size", type=positive_int, default=64,
+                   help="decoupled_momentum: DCT tile side (default 64)")
+    g.add_argument("--top-k", type=positive_int, default=32,
+                   help="decoupled_momentum: DCT coefficients sent per tile (default 32)")
+    g.add_argument("--beta", type=float, default=0.999,
+                   help="decoupled_momentum: momentum decay in [0, 1) (default 0.999)")
     g.add_argument("--warmup-steps", type=nonneg_int, default=None,
                    help="onebit_adam/onebit_lamb: exact-Adam warm-up steps (default: a fifth of "
                         "--steps); dgc: density warm-up steps (default 0)")

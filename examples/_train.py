@@ -42,6 +42,8 @@ _OPTIONAL = {
     "onebit_lamb": "cj.onebit_lamb (1-bit LAMB)",
     "dgc": "cj.dgc (deep gradient compression)",
     "diloco": "cj.diloco (local steps with a compressed outer step)",
+    "streaming_diloco": "cj.streaming_diloco (DiLoCo synced in fragments)",
+    "decoupled_momentum": "cj.decoupled_momentum (DeMo)",
 }
 
 
@@ -151,6 +153,7 @@ class Setup:
     bytes_per_step: Optional[float] = None  # analytic average bytes when there is no plan
     bytes_note: str = ""
     sync_every: Optional[int] = None  # per-replica params agree only every sync_every steps
+    replicas_agree: bool = True  # False: per-replica params never all agree (streaming_diloco)
 
 
 def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float] = None) -> Setup:
@@ -207,7 +210,32 @@ def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float]
         return Setup(tx, f"diloco(H={h}, {compressor_label(args)})", None, per_replica_params=True,
                      bytes_per_step=sync / h, bytes_note=f"average: {sync:,.0f} B every {h} steps",
                      sync_every=h)
+    if opt == "streaming_diloco":
+        return _streaming_setup(args, params, num_replicas, lr)
+    if opt == "decoupled_momentum":
+        tx = lookup(opt)(lr, beta=args.beta, chunk_size=args.chunk_size, top_k=args.top_k, axis_name=AXIS)
+        b = cj.decoupled_momentum_wire_bytes(params, num_replicas, chunk_size=args.chunk_size, top_k=args.top_k)
+        return Setup(tx, f"decoupled_momentum(c={args.chunk_size}, k={args.top_k})", None, bytes_per_step=b)
     raise SystemExit(f"error: unknown --optimizer {opt!r}")
+
+
+def _streaming_setup(args: Any, params: Any, num_replicas: int, lr: float) -> Setup:
+    """``--optimizer streaming_diloco``: Adam inside, Nesterov outside, ``--fragments``
+    synced at staggered steps with ``--compressor`` (``identity``: the exact fp32 mean)."""
+    comp = None if args.compressor == "identity" else make_compressor(args)
+    h = args.sync_every
+    tx = lookup("streaming_diloco")(
+        optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=h,
+        fragments=args.fragments, overlap=args.overlap, mix=args.mix, axis_name=AXIS, compressor=comp,
+        error_feedback=not args.no_error_feedback, num_replicas=num_replicas)
+    b = cj.streaming_diloco_bytes(params, num_replicas, sync_every=h, fragments=args.fragments, compressor=comp)
+    # Fragments are merged at different steps (and mixed with each worker's own values
+    # when --mix > 0), so the workers' parameters never all agree at once.
+    whole = args.fragments == 1 and args.overlap == 0 and args.mix == 0
+    return Setup(tx, f"streaming_diloco(H={h}, P={args.fragments}, tau={args.overlap}, {compressor_label(args)})",
+                 None, per_replica_params=True, bytes_per_step=b.per_inner_step,
+                 bytes_note=f"peak {b.peak:,.0f} B (one fragment), average {b.per_inner_step:,.0f} B",
+                 sync_every=h if whole else None, replicas_agree=whole)
 
 
 # --------------------------------------------------------------------------- trainer
@@ -524,8 +552,10 @@ def run(trainer: DataParallel, setup: Setup, batch_fn: Callable[[int], Any], ste
         # landing update; between syncs there is nothing to check.
         at_sync = trainer.step_count % setup.sync_every == 0
         result.in_sync = trainer.replicas_in_sync(rtol=1e-6) if at_sync else None
-    else:
+    elif setup.replicas_agree:
         result.in_sync = trainer.replicas_in_sync()
+    else:
+        result.in_sync = None
     try:
         result.metrics = step_metrics(trainer.opt_state, plan)
     except ValueError:
