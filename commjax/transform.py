@@ -44,6 +44,11 @@ from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
 
 
+#: Folded into the state's key for the exchange's initial state (PowerSGD's Q), so that
+#: the step can redraw it from replica 0's key (see ``Exchange.run``'s ``init_key``).
+_INIT_SALT = 0xC0DE
+
+
 @per_replica("residual", "server_residual", "metrics")
 class CompressedMeanState(NamedTuple):
     """State of :func:`compressed_mean`.
@@ -225,7 +230,7 @@ class _Exact(NamedTuple):
     local_ok: list  # per compressed leaf: finite on this replica
     global_bad: list  # per compressed leaf: non-finite on some replica
     bucket: Any  # the exact all-reduce's result (to sequence the compressed collectives)
-    shared_key: Any  # the step's key as every replica holds it (replica 0's)
+    shared_key: Any  # the state's key as every replica holds it (replica 0's)
 
 
 def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: int,
@@ -335,7 +340,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         means, locals_, cs = exchange.run(
             cfg.compressor, xs, segs, state.compressor_state,
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
-            shared_key=keys[0], count=state.count)
+            shared_key=keys[0], init_key=keys[2], count=state.count)
         new_res = [] if residuals is None else [x[:s.size] - l for x, l, s in zip(xs, locals_, segs)]
         return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, scan=True)
     server = state.server_residual if plan.server_residual_size else None
@@ -425,10 +430,12 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     step_key = jax.random.fold_in(state.key, state.count)
     replica_key = step_key if cfg.axis_name is None else jax.random.fold_in(
         step_key, lax.axis_index(cfg.axis_name))
-    exact = _exact_stage(cfg, leaves, plan, n_rep, step_key)
+    exact = _exact_stage(cfg, leaves, plan, n_rep, state.key)
     comp = None
     if plan.segments and not _direct(cfg, plan):
-        comp = _compressed_stage(cfg, leaves, plan, state, (exact.shared_key, replica_key), n_rep, exact)
+        keys = (jax.random.fold_in(exact.shared_key, state.count), replica_key,
+                jax.random.fold_in(exact.shared_key, _INIT_SALT))
+        comp = _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact)
     means = _means(cfg, plan, exact, comp, n_rep)
     bad = _bad_flags(cfg, exact, means, comp)
     any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
@@ -588,7 +595,7 @@ def _exchange_state(cfg: ExchangeConfig, plan: CommunicationPlan, n_rep: int):
     if exchange is None or not plan.segments:
         return ()
     return exchange.init_state(cfg.compressor, plan.segments, n_rep,
-                               jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0xC0DE))
+                               jax.random.fold_in(jax.random.PRNGKey(cfg.seed), _INIT_SALT))
 
 
 def _init(cfg: ExchangeConfig, params) -> CompressedMeanState:

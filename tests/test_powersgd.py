@@ -411,8 +411,8 @@ def test_matrix_dims_on_a_conv_kernel(mesh):
     assert powersgd(4).matrix_shape((3, 3, 8, 16)) == (72, 16)
     report = cj.collective_bytes(step, grads, state)
     sizes = [c.operand_bytes for c in report.of_kind("all-reduce")]
-    assert 4 * 9 * 4 in sizes  # P; XLA may fuse the exact bucket (a NaN flag) into Q's
-    assert sum(sizes) == 4 * (1 + 9 * 4 + 128 * 4)
+    assert 4 * 9 * 4 in sizes  # P; XLA may fuse the exact bucket into Q's
+    assert sum(sizes) == 4 * (1 + 4 + 9 * 4 + 128 * 4)  # exact bucket: a NaN flag, replica 0's key
     plan = cj.communication_plan(comp, params, N, min_compress_size=64)
     assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-12)
 
@@ -465,9 +465,10 @@ def test_hlo_bytes_four_1024_layers(mesh, rank, min_ratio):
     assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-12)
     ars = report.of_kind("all-reduce")
     assert len(report) == len(ars) and report.dtypes == {"f32"}
-    # The exact bucket (biases + NaN flags), all P, all Q; XLA may fuse the bucket into Q's.
+    # The exact bucket (biases, NaN flags, replica 0's key), all P, all Q; XLA may fuse the
+    # bucket into Q's.
     assert 4 * 4 * 1024 * rank in [c.operand_bytes for c in ars]
-    assert sum(c.operand_bytes for c in ars) == 4 * (4 * 1024 + 4) + 2 * 4 * 4 * 1024 * rank
+    assert sum(c.operand_bytes for c in ars) == 4 * (4 * 1024 + 4 + 4) + 2 * 4 * 4 * 1024 * rank
     exact_tx = cj.compressed_mean(cj.identity(), AXIS)
     eg, es = _global_sds(exact_tx, params, mesh)
     exact = cj.collective_bytes(_step_fn(exact_tx, es, mesh), eg, es).total_ring_bytes
@@ -557,7 +558,8 @@ def test_one_replica_exchange_is_a_rank_r_orthogonal_projection_per_leaf():
     state = ex.init_state(comp, segs, 1, jax.random.PRNGKey(1))
     parts = [x[s.offset:s.offset + s.size] for s in segs]
     means, locals_, _ = ex.run(comp, parts, segs, state, axis_name=None, num_replicas=1,
-                               shared_key=jax.random.PRNGKey(2), count=jnp.int32(0))
+                               shared_key=jax.random.PRNGKey(2), init_key=jax.random.PRNGKey(1),
+                               count=jnp.int32(0))
     for p, m, l, s in zip(parts, means, locals_, segs):
         mat = np.asarray(p, np.float64).reshape(s.shape)
         hat = np.asarray(m, np.float64).reshape(s.shape)

@@ -182,6 +182,33 @@ def test_random_k_masks_agree_even_when_the_replicated_key_does_not(mesh):
     assert 0.03 < np.mean(u[0] != 0) < 0.07
 
 
+@pytest.mark.parametrize("alternating", [False, True])
+def test_powersgd_replicas_agree_even_when_the_replicated_q_does_not(mesh, alternating):
+    """PowerSGD's initial Q drawn from a seed that differs between processes: the first
+    step's estimate mixes different Q's, but every factor that is decoded has been
+    all-reduced, so replicas still agree bit for bit, and from then on Q is the same."""
+    tx = cj.compressed_mean(cj.powersgd(rank=2, alternating=alternating), AX)
+    params = {"w": jnp.zeros((64, 64))}
+    state = cj.init_sharded(tx, params, mesh, AX)
+    q = state.compressor_state.q[0]
+    qs = [jax.device_put(q * (1.0 + 0.1 * i), d) for i, d in enumerate(mesh.devices.flat)]
+    differing = jax.make_array_from_single_device_arrays(q.shape, NamedSharding(mesh, P()), qs)
+    state = state._replace(compressor_state=state.compressor_state._replace(q=(differing,)))
+    specs = cj.state_specs(state, AX)
+
+    def step(g, s):
+        u, s = tx.update({"w": g[0]}, s)
+        return u["w"][None], s.compressor_state.q[0][None]
+
+    f = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(AX), specs),
+                                  out_specs=(P(AX), P(AX)), check_vma=False))
+    u, new_q = map(np.asarray, f(jax.random.normal(jax.random.PRNGKey(0), (N, 64, 64)), state))
+    assert np.all(np.isfinite(u[0])) and np.any(u[0] != 0)
+    for r in range(1, N):
+        np.testing.assert_array_equal(u[r], u[0])
+        np.testing.assert_array_equal(new_q[r], new_q[0])
+
+
 def test_layout_helpers_name_bad_arguments(mesh):
     tx = cj.compressed_mean(cj.sign(), AX)
     state = tx.init({"w": jnp.zeros((64, 64))})

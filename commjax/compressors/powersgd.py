@@ -298,6 +298,9 @@ class PowerSGD(Compressor):
 
     name: ClassVar[str] = "powersgd"
     has_exchange: ClassVar[bool] = True  # run by commjax.exchanges.powersgd
+    # Fresh and first factors are drawn from replica 0's key (16 bytes in the exact
+    # all-reduce): a key that differed between processes would part the replicas.
+    shared_randomness: ClassVar[bool] = True
     # Factors are per leaf: the fused all-reduces add slot by slot, and Gram-Schmidt runs
     # per matrix (a stacked group is a batch, and zero-padding stays zero).
     leaf_local: ClassVar[bool] = True

@@ -60,11 +60,14 @@ def _initial_state(c: PowerSGD, segments: tuple[Segment, ...], key: jax.Array) -
 class _Step:
     """One step's matrices and collectives; each phase is one method."""
 
-    def __init__(self, c: PowerSGD, parts, segments, state, axis_name, num_replicas, shared_key):
+    def __init__(self, c: PowerSGD, parts, segments, state, axis_name, num_replicas, shared_key,
+                 init_key=None):
         self.c, self.state, self.axis, self.n = c, state, axis_name, num_replicas
         self.segments = tuple(segments)
         self.groups = c.groups(self.segments)
         self.shared = seeded(shared_key, c.seed)
+        self.init_key = init_key
+        self.first = None  # alternating: True at the first P-step (see first_q)
         self.leaves = [p[:s.size] for p, s in zip(parts, self.segments)]
         # mats[g][j]: member j of group g as its m x n matrix (a reshape, no copy).
         self.mats = [[self.leaves[i].reshape(g.m, g.n) for i in g.members] for g in self.groups]
@@ -111,12 +114,19 @@ class _Step:
         new = PowerSGDState(q=tuple(qs), p=()) if c.warm_start else self.state
         return self.finish(ps, qs, new, (raw, qs))
 
+    def first_q(self):
+        """The ``Q`` of the first P-step redrawn from replica 0's initial key: the stored
+        one came from each process's own seed, and the P-step decodes with ``Q`` as it is,
+        without reducing it. Equal to the stored ``Q`` when the seeds agree."""
+        return _initial_state(self.c, self.segments, self.init_key).q
+
     def p_step(self, _):
         # P = M_bar Q^ with the stored orthonormal Q^: M_hat = M_bar Q^ Q^^T.
         st, c = self.state, self.c
-        ps = self.mean([self.right(ms, q) for ms, q in zip(self.mats, st.q)])
+        q = st.q if self.first is None else lax.cond(self.first, self.first_q, lambda: st.q)
+        ps = self.mean([self.right(ms, qi) for ms, qi in zip(self.mats, q)])
         new_p = tuple(c.orth_all([reseed(p, self.shared, 2 * gi + 1, c.epsilon) for gi, p in enumerate(ps)]))
-        return self.finish(ps, st.q, PowerSGDState(q=st.q, p=new_p), (ps,))
+        return self.finish(ps, q, PowerSGDState(q=q, p=new_p), (ps,))
 
     def q_step(self, _):
         # Q = M_bar^T P^ with the stored orthonormal P^: M_hat = P^ P^^T M_bar.
@@ -136,18 +146,20 @@ class PowerSGDExchange(Exchange):
             return PowerSGDState(q=(), p=())
         return _initial_state(codec, tuple(segments), key)
 
-    def run(self, codec, parts, segments, state, *, axis_name, num_replicas, shared_key, count):
+    def run(self, codec, parts, segments, state, *, axis_name, num_replicas, shared_key,
+            init_key, count):
         """Exact mean in the warm-up, then PowerSGD, leaf by leaf: each leaf's matrix is a
         view of its own part, and its ``M_hat`` is returned as its own array. Returns per
         segment ``(M_hat, M_hat, new_state)`` in the PowerSGD phase (error feedback keeps
         ``x - M_hat``) and ``(mean, x, state)`` in the warm-up (no residual builds up)."""
-        step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key)
+        step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key, init_key)
         count = jnp.asarray(count, jnp.int32)
         start = codec.start_step
         if not codec.alternating:
             if start == 0:
                 return step.both(None)
             return lax.cond(count < start, step.warmup, step.both, None)
+        step.first = count == start
         phase = jnp.remainder(jnp.maximum(count - start, 0), 2)  # 0: P-step, 1: Q-step
         if start == 0:
             return lax.cond(phase == 0, step.p_step, step.q_step, None)
