@@ -277,6 +277,27 @@ def test_groups_inside_workers_average_exactly_and_sync_over_the_slow_axis():
     assert sorted(c.ring_bytes for c in synced) == pytest.approx(sorted(plan.per_fragment))
 
 
+def test_diloco_groups_inside_workers_too():
+    """cj.diloco(inner_axis_name=...): the same exact group mean, then DiLoCo over "dc"."""
+    mesh = _compat.make_mesh((2, 4), ("dc", "data"))
+    tx = cj.diloco(optax.sgd(LR), nesterov(), sync_every=3, axis_name="dc", inner_axis_name="data")
+    drv = Driver(tx, SMALL, mesh, axis_name="dc", grad_axes=("dc", "data"))
+    targets = _targets(SMALL, N, seed=5)
+    log = drv.run(6, _quadratic(targets, groups_of=4))
+    ref = reference(SMALL, _worker_means(targets, 4), 6, n_w=2, h=3, frags=1, tau=0, alpha=0.0,
+                    groups=fragment_leaves(SMALL, 1))
+    for (p, state), (p_ref, a_ref) in zip(log, ref):
+        for k in SMALL:
+            np.testing.assert_allclose(np.asarray(state.anchor[k]), a_ref[k], rtol=2e-5, atol=1e-6)
+            for w in range(2):
+                np.testing.assert_allclose(p[w][k], p_ref[w][k], rtol=2e-5, atol=1e-6)
+    every_step = [c for c in drv.collectives if not c.in_conditional]
+    assert [c.group_size for c in every_step] == [4]
+    assert {c.group_size for c in drv.collectives if c.in_conditional} == {2}
+    with pytest.raises(ValueError, match="`inner_axis_name`"):
+        cj.diloco(optax.sgd(LR), nesterov(), sync_every=3, axis_name="dc", inner_axis_name="dc")
+
+
 # ------------------------------------------------------------------------- bad input
 
 

@@ -121,6 +121,19 @@ class _Config:
     sync_every: int
     axis_name: Any
     exchange_tx: Optional[optax.GradientTransformation]
+    inner_axis_name: Any = None
+
+
+def _group_mean(updates: Any, inner_axis_name: Any, where: str) -> Any:
+    """The exact fp32 mean of the gradients over ``inner_axis_name`` (one all-reduce; a
+    data-parallel group inside each worker), or ``updates`` as they are without one."""
+    if inner_axis_name is None:
+        return updates
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    n = guards.check_bound(inner_axis_name, where)
+    means, _ = exact_mean(leaves, inner_axis_name if n > 1 else None, n)
+    out = [m.reshape(jnp.shape(l)).astype(jnp.result_type(l)) for m, l in zip(means, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
@@ -170,7 +183,8 @@ def _update(cfg: _Config, updates, state: DiLoCoState, params):
     guards.check_bound(cfg.axis_name, "diloco")
     if cfg.axis_name is not None:
         _check_vary(params, cfg.axis_name)
-    u_in, new_inner, local = _inner_step(cfg, updates, state, params)
+    u_in, new_inner, local = _inner_step(cfg, _group_mean(updates, cfg.inner_axis_name, "diloco"),
+                                         state, params)
 
     def no_sync(ops):
         anchor, outer_state, exchange = ops
@@ -211,6 +225,7 @@ def diloco(
     error_feedback: bool = True,
     num_replicas: Optional[int] = None,
     seed: int = 0,
+    inner_axis_name: Any = None,
 ) -> optax.GradientTransformation:
     """DiLoCo as one optax transformation: ``sync_every - 1`` local steps, then a sync.
 
@@ -263,6 +278,11 @@ def diloco(
       num_replicas: replicas the compressed exchange's state is sized for when ``init``
         runs outside ``shard_map`` (see :func:`commjax.compressed_mean`).
       seed: seed of the compressed exchange's stochastic rounding.
+      inner_axis_name: optional fast mesh axis of data-parallel groups inside each
+        worker: the gradients are averaged exactly over it every step (one fp32
+        all-reduce, ``2 (M-1)/M * 4 n`` bytes), the sync runs over ``axis_name`` only,
+        and parameters and state are identical across it (lay the state out with
+        ``cj.state_specs(state, axis_name)``).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DiLoCoState`.
@@ -281,10 +301,12 @@ def diloco(
             f"diloco: `compressor` must be None (exact mean) or a commjax compressor such as "
             f"cj.quantize(bits=4), got {compressor!r}.")
     axis_name = validation.normalize_axis(axis_name)
+    inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory="diloco")
+    validation.check_axis_pair(axis_name, inner_axis_name, factory="diloco")
     exchange_tx = None
     if compressor is not None:
         exchange_tx = compressed_mean(compressor, axis_name, error_feedback=error_feedback,
                                       num_replicas=num_replicas, seed=seed)
-    cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx)
+    cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx, inner_axis_name)
     return optax.GradientTransformation(lambda params: _init(cfg, params),
                                         lambda u, s, params=None: _update(cfg, u, s, params))

@@ -43,12 +43,11 @@ from jax import lax
 
 from commjax import guards, validation
 from commjax.accounting import exact_mean_bytes
-from commjax.collectives import exact_mean
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.optimizers.diloco import (
-    _Config as _DiLoCoConfig, _all_finite, _check_vary, _inner_step, _pseudo_mean, _vary_marked,
-    landing_update,
+    _Config as _DiLoCoConfig, _all_finite, _check_vary, _group_mean, _inner_step, _pseudo_mean,
+    _vary_marked, landing_update,
 )
 from commjax.plan import communication_plan
 from commjax.transform import compressed_mean
@@ -228,17 +227,6 @@ def _switch(cfg: _Config, index, branches, ops):
     return step, anchor, outer_state, _vary_marked(exchange, cfg.axis_name), pending, bad
 
 
-def _group_mean(cfg: _Config, updates):
-    """The exact fp32 mean of the gradients over ``inner_axis_name`` (one all-reduce)."""
-    if cfg.inner_axis_name is None:
-        return updates
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    n = guards.check_bound(cfg.inner_axis_name, _NAME)
-    means, _ = exact_mean(leaves, cfg.inner_axis_name if n > 1 else None, n)
-    out = [m.reshape(jnp.shape(l)).astype(jnp.result_type(l)) for m, l in zip(means, leaves)]
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params):
     if params is None:
         raise ValueError(f"{_NAME}: update() needs this replica's `params` (update(grads, state, params)).")
@@ -246,7 +234,7 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params):
     if cfg.axis_name is not None:
         _check_vary(params, cfg.axis_name)
     groups = fragment_leaves(params, cfg.fragments)
-    u_in, new_inner, local = _inner_step(cfg, _group_mean(cfg, updates), state, params)
+    u_in, new_inner, local = _inner_step(cfg, _group_mean(updates, cfg.inner_axis_name, _NAME), state, params)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     local = jax.tree_util.tree_leaves(local)
     step = [u.astype(p.dtype) for u, p in zip(jax.tree_util.tree_leaves(u_in), p_leaves)]
