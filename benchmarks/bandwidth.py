@@ -96,8 +96,8 @@ SGD = dict(learning_rate=0.01, momentum=0.9)
 PRELUDE_STEPS = 3
 
 JAX_METHODS = ("no_exchange", "exact", "bf16", "int8", "int4", "sign", "top_k_1pct",
-               "powersgd_r4", "onebit_adam", "diloco", "zero_exact", "zero_int8", "zero_qwd4",
-               "zero_qwd4_had")
+               "powersgd_r4", "onebit_adam", "diloco", "streaming_diloco", "streaming_diloco_q4",
+               "zero_exact", "zero_int8", "zero_qwd4", "zero_qwd4_had")
 #: Sharded data parallel (cj.zero: reduce-scatter + all-gather) rows, timed against
 #: exact fp32 ZeRO ("zero_exact") rather than against the exact mean.
 ZERO_BASE = "zero_exact"
@@ -280,9 +280,31 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
             note=(f"sync every {h} steps (inner: the same SGD; outer: Nesterov SGD 0.7/0.9); "
                   "step time = mean over a window holding one sync; bytes averaged per step"),
         )
+    if name.startswith("streaming_diloco"):
+        return streaming_method(name, params, n, sgd, steps)
     if name.startswith("zero_"):
         return zero_method(name, params, n, sgd)
     raise ValueError(f"unknown JAX method {name!r}; known: {', '.join(JAX_METHODS)}")
+
+
+def streaming_method(name: str, params: Any, n: int, sgd: Any, steps: int) -> JaxMethod:
+    """cj.streaming_diloco with 4 fragments (fp32 or 4-bit outer gradients), one round per
+    timed window: every fragment is synced once in any ``steps`` consecutive steps."""
+    import optax
+
+    import commjax as cj
+
+    if steps % 4:
+        raise SystemExit(f"{name}: --steps ({steps}) must be a multiple of its 4 fragments")
+    comp = cj.quantize(bits=4, block_size=512) if name.endswith("_q4") else None
+    b = cj.streaming_diloco_bytes(params, n, sync_every=steps, fragments=4, compressor=comp)
+    return JaxMethod(
+        cj.streaming_diloco(sgd, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=steps,
+                            fragments=4, compressor=comp, axis_name=AXIS, num_replicas=n),
+        b.per_inner_step, per_replica_params=True, sync_every=steps,
+        note=(f"4 fragments, one synced every {steps // 4} steps ({'4-bit' if comp else 'fp32'}; peak "
+              f"{b.peak:,.0f} B); step time = mean over a window holding one sync of each"),
+    )
 
 
 def zero_method(name: str, params: Any, n: int, sgd: Any) -> JaxMethod:
