@@ -288,22 +288,22 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
 
 
 def streaming_method(name: str, params: Any, n: int, sgd: Any, steps: int) -> JaxMethod:
-    """cj.streaming_diloco with 4 fragments (fp32 or 4-bit outer gradients), one round per
-    timed window: every fragment is synced once in any ``steps`` consecutive steps."""
+    """cj.streaming_diloco with 4 fragments (2 or 1 when they do not divide ``steps``), fp32
+    or 4-bit outer gradients, one round per timed window: every fragment is synced once in
+    any ``steps`` consecutive steps."""
     import optax
 
     import commjax as cj
 
-    if steps % 4:
-        raise SystemExit(f"{name}: --steps ({steps}) must be a multiple of its 4 fragments")
+    frags = next(f for f in (4, 2, 1) if steps % f == 0)
     comp = cj.quantize(bits=4, block_size=512) if name.endswith("_q4") else None
-    b = cj.streaming_diloco_bytes(params, n, sync_every=steps, fragments=4, compressor=comp)
+    b = cj.streaming_diloco_bytes(params, n, sync_every=steps, fragments=frags, compressor=comp)
     return JaxMethod(
         cj.streaming_diloco(sgd, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=steps,
-                            fragments=4, compressor=comp, axis_name=AXIS, num_replicas=n),
+                            fragments=frags, compressor=comp, axis_name=AXIS, num_replicas=n),
         b.per_inner_step, per_replica_params=True, sync_every=steps,
-        note=(f"4 fragments, one synced every {steps // 4} steps ({'4-bit' if comp else 'fp32'}; peak "
-              f"{b.peak:,.0f} B); step time = mean over a window holding one sync of each"),
+        note=(f"{frags} fragments, one synced every {steps // frags} steps ({'4-bit' if comp else 'fp32'}; "
+              f"peak {b.peak:,.0f} B); step time = mean over a window holding one sync of each"),
     )
 
 
