@@ -197,6 +197,54 @@ def test_nan_on_one_replica_reaches_every_replica_at_the_merge(overlapped):
     assert not same_bits(s4.anchor["d"], s2.anchor["d"])
 
 
+def _window(tx, mesh, state, static: bool):
+    """One program of a whole round (H steps unrolled) on the quadratic, the step passed
+    statically (``update(..., step=k)``) or read from the state."""
+    specs = cj.state_specs(state, "data")
+
+    def body(p, s, c):
+        p, c = (jax.tree_util.tree_map(lambda a: a[0], t) for t in (p, c))
+        for k in range(H):
+            g = jax.tree_util.tree_map(lambda a, b: a - b, p, c)
+            u, s = tx.update(g, s, p, step=k) if static else tx.update(g, s, p)
+            p = optax.apply_updates(p, u)
+        return jax.tree_util.tree_map(lambda a: a[None], p), s
+
+    f = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P("data"), specs, P("data")),
+                                  out_specs=(P("data"), specs)))
+    glob = {k: jax.ShapeDtypeStruct((N,) + v.shape, v.dtype) for k, v in SMALL.items()}
+    return f.lower(glob, state, glob).compile()
+
+
+def test_static_steps_take_the_collective_out_of_the_conditional(mesh, overlapped):
+    tx = streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, fragments=FRAGS, overlap=TAU, mix=ALPHA)
+    state = overlapped.state0
+    static, traced = _window(tx, mesh, state, True), _window(tx, mesh, state, False)
+    # Static: the round's two sends are plain all-reduces (no conditional around them), so
+    # nothing waits on them until their merge a step later; traced: both inside one.
+    rep_s = parse_hlo_collectives(static.as_text())
+    assert [c.in_conditional for c in rep_s] == [False, False]
+    assert [c.ring_bytes for c in rep_s] == [cj.exact_mean_bytes(128, N)] * 2
+    assert all(c.in_conditional for c in parse_hlo_collectives(traced.as_text()))
+    targets = _targets(SMALL, N, seed=6)
+    c = overlapped.stack(targets, overlapped.p_shard)
+    start = overlapped.stack([jax.tree_util.tree_map(np.asarray, SMALL)] * N, overlapped.p_shard)
+    outs = []
+    for fn in (static, traced):
+        p, s = start, state
+        for _ in range(2):  # two rounds: the second merges what the first sent last
+            p, s = ready(*fn(p, s, c))
+        outs.append((jax.device_get(p), s))
+    (p_s, s_s), (p_t, s_t) = outs
+    for k in SMALL:
+        np.testing.assert_allclose(p_s[k], p_t[k], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(s_s.anchor[k]), np.asarray(s_t.anchor[k]), rtol=1e-6, atol=1e-7)
+    # A static step that is not the state's (mod H): NaN on every replica, not a wrong sync.
+    (_, s1), = overlapped.run(1, _quadratic(targets))
+    bad, _ = ready(*static(start, s1, c))
+    assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree_util.tree_leaves(bad))
+
+
 # ------------------------------------------------------------------------- diloco, compressed
 
 

@@ -141,12 +141,17 @@ class _Config:
                              self.exchanges[f])
 
 
-def _due(cfg: _Config, count: jax.Array, delay: int) -> jax.Array:
+def _due(cfg: _Config, count: Any, delay: int) -> Any:
     """Which fragment's send (``delay = 0``) or merge (``delay = overlap``) falls on step
     ``count``: fragment ``f`` when ``(count + 1 - delay) % H == ((f + 1) H / P) % H``
-    (fragment ``P - 1`` on DiLoCo's sync steps), else ``P`` (none)."""
+    (fragment ``P - 1`` on DiLoCo's sync steps), else ``P`` (none); nothing is merged
+    before step ``tau``. A Python ``int`` ``count`` (a static step, known only mod ``H``)
+    gives a Python ``int`` and leaves the ``count >= tau`` test to the caller."""
     h, p = cfg.sync_every, cfg.fragments
     spacing = h // p
+    if isinstance(count, int):
+        r = (count + 1 - delay) % h
+        return (r // spacing + p - 1) % p if r % spacing == 0 else p
     r = (count + 1 - delay) % h
     due = jnp.logical_and(r % spacing == 0, count >= delay)
     return jnp.where(due, (r // spacing + p - 1) % p, p).astype(jnp.int32)
@@ -219,7 +224,9 @@ def _sync_branches(cfg: _Config, groups, params, local, send: bool, merge: bool)
 
 
 def _switch(cfg: _Config, index, branches, ops):
-    if cfg.sync_every == 1:  # every step syncs the one fragment: no conditional needed
+    if isinstance(index, int):  # a static step: the branch itself, no conditional
+        out = branches[index](ops)
+    elif cfg.sync_every == 1:  # every step syncs the one fragment: no conditional needed
         out = branches[0](ops)
     else:
         out = lax.switch(index, branches, ops)
@@ -227,7 +234,7 @@ def _switch(cfg: _Config, index, branches, ops):
     return step, anchor, outer_state, _vary_marked(exchange, cfg.axis_name), pending, bad
 
 
-def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params):
+def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params, step: Optional[int] = None):
     if params is None:
         raise ValueError(f"{_NAME}: update() needs this replica's `params` (update(grads, state, params)).")
     guards.check_bound(cfg.axis_name, _NAME)
@@ -237,24 +244,30 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params):
     u_in, new_inner, local = _inner_step(cfg, _group_mean(updates, cfg.inner_axis_name, _NAME), state, params)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     local = jax.tree_util.tree_leaves(local)
+    at = state.count if step is None else validation.check_int("step", step, 0, factory=_NAME)
+    # A static step that is not the state's (mod H) would sync the wrong fragment: every
+    # replica's update is NaN instead (the counter is replicated, so all agree).
+    wrong = jnp.zeros((), bool) if step is None else state.count % cfg.sync_every != at % cfg.sync_every
     step = [u.astype(p.dtype) for u, p in zip(jax.tree_util.tree_leaves(u_in), p_leaves)]
     ops = (step, jax.tree_util.tree_leaves(state.anchor), state.outer_state, state.exchange,
            state.pending, jnp.zeros((), bool))
     if cfg.overlap == 0:
-        ops = _switch(cfg, _due(cfg, state.count, 0),
+        ops = _switch(cfg, _due(cfg, at, 0),
                       _sync_branches(cfg, groups, p_leaves, local, True, True), ops)
     else:
         # Both read the state as it came in: the merge (of a mean sent tau >= 1 steps ago,
         # another fragment's) does not wait for this step's send, so nothing computed
         # after it depends on the collective until the merge tau steps later.
-        sent = _switch(cfg, _due(cfg, state.count, 0),
+        sent = _switch(cfg, _due(cfg, at, 0),
                        _sync_branches(cfg, groups, p_leaves, local, True, False), ops)
-        merged = _switch(cfg, _due(cfg, state.count, cfg.overlap),
-                         _sync_branches(cfg, groups, p_leaves, local, False, True), ops)
+        m = _due(cfg, at, cfg.overlap)
+        if isinstance(at, int) and m < cfg.fragments:  # static: the merge holds no collective
+            m = jnp.where(state.count >= cfg.overlap, m, cfg.fragments).astype(jnp.int32)
+        merged = _switch(cfg, m, _sync_branches(cfg, groups, p_leaves, local, False, True), ops)
         ops = merged[:3] + sent[3:5] + merged[5:]
     step, anchor, outer_state, exchange, pending, bad = ops
     # A non-finite merged mean (a NaN on any replica) is NaN on every replica's update.
-    step = [jnp.where(bad, jnp.nan, s).astype(s.dtype) for s in step]
+    step = [jnp.where(bad | wrong, jnp.nan, s).astype(s.dtype) for s in step]
     new_state = StreamingDiLoCoState(
         count=state.count + 1, anchor=jax.tree_util.tree_unflatten(treedef, anchor),
         outer_state=outer_state, inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner),
@@ -373,10 +386,16 @@ def streaming_diloco(
     ulp of each term); anchors are bit-identical on every replica.
 
     Overlap: ``tau > 0`` reproduces the paper's *schedule* (the mean computed at ``t``
-    is applied at ``t + tau``, the replicas training on meanwhile), but each step is one
-    compiled SPMD program whose collective sits in a conditional and completes inside
-    the step: the transfer does not run concurrently with the next ``tau`` steps' compute,
-    on CPU, GPU or TPU (see ``docs/crossdc.md``).
+    is applied at ``t + tau``, the replicas training on meanwhile). With one compiled
+    program per step, the fragment's collective sits in a conditional and completes
+    inside the step: the transfer does not run beside the next ``tau`` steps' compute, on
+    CPU, GPU or TPU. For that, compile a whole round as one program (``H`` steps unrolled)
+    and pass each step's position statically, ``update(g, state, params, step=k)`` for
+    ``k = 0 .. H-1``: the sends are then plain collectives outside any conditional, whose
+    result nothing reads before the merge ``tau`` steps later, which XLA's asynchronous
+    collectives (GPU, TPU) may overlap with that compute (not measured here; see
+    ``docs/crossdc.md``). A static ``step`` that disagrees with the state's counter mod
+    ``H`` makes every replica's update NaN.
 
     Non-finite values: a NaN/Inf in a replica's inner update makes that replica's update
     NaN (and keeps its inner state); a non-finite fragment mean makes the whole update NaN
@@ -426,5 +445,6 @@ def streaming_diloco(
     validation.check_bool("error_feedback", error_feedback, factory=_NAME)
     exchanges = _exchanges(compressor, p, axis_name, error_feedback, num_replicas, seed)
     cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges)
-    return optax.GradientTransformation(lambda params: _init(cfg, params),
-                                        lambda u, s, params=None: _update(cfg, u, s, params))
+    return optax.GradientTransformationExtraArgs(
+        lambda params: _init(cfg, params),
+        lambda u, s, params=None, *, step=None, **extra: _update(cfg, u, s, params, step))
