@@ -1,0 +1,60 @@
+"""cj.decoupled_momentum (DeMo) across processes: 2 processes x 4 CPU devices (gloo) give
+bit-identical parameters on all 8 replicas, equal to one process x 8 devices running the
+same program (the all-gather moves words, and the decode sums them in replica order, so
+no summation order depends on the process layout).
+
+The worker is ``tests/mp_scripts/demo_train.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from commjax import _compat
+from multiprocess import MP_SCRIPTS, leftover_processes, run_workers
+
+sys.path.insert(0, str(MP_SCRIPTS))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_mp_{name}", MP_SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load("demo_train")
+tasks = _load("train_compressors")
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one(tmp_path: Path):
+    processes, devices = 2, 4
+    g = processes * devices
+    task = tasks.make_task(g)
+    task_file = tmp_path / "task.npz"
+    tasks.save_task(task, str(task_file))
+    run = run_workers("demo_train.py", processes, devices, args=["--task", str(task_file)],
+                      timeout=240.0, env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},
+                      check=True, stream=False)
+    assert not leftover_processes(run.launch.pids)
+    results = run.results
+    assert [r["process_id"] for r in results] == list(range(processes))
+    digests = [d for r in results for d in r["digests"]]
+    assert len(digests) == g and len(set(digests)) == 1, "replicas differ across processes"
+
+    task = tasks.load_task(str(task_file))
+    mesh = _compat.make_mesh((g,), (worker.AXIS,))
+    sharding = NamedSharding(mesh, P(worker.AXIS))
+    params = worker.train(mesh, task, worker.STEPS, lambda a: jax.device_put(a, sharding))
+    ref = np.concatenate([np.asarray(l, np.float32)[0].ravel() for l in jax.tree_util.tree_leaves(params)])
+    p0 = np.concatenate([np.asarray(l, np.float32).ravel() for l in jax.tree_util.tree_leaves(task.params)])
+    assert np.max(np.abs(ref - p0)) > 1e-3  # it trained
+    np.testing.assert_array_equal(np.asarray(results[0]["params"], np.float32), ref)
