@@ -15,7 +15,7 @@ outside the conditional, the fallback's inside it. So per step::
 The table also shows the empirical entropy of the bfloat16 exponents (what an ideal
 variable-rate exponent code would need, plus 8 bits of sign and mantissa).
 
-    python benchmarks/lossless_bits.py [--steps 40] [--configs 4:7,4:11,5:3] [--out benchmarks/results]
+    python benchmarks/lossless_bits.py [--steps 40] [--configs 4:3,4:7,5:3] [--out benchmarks/results]
 
 Writes ``lossless_bits.json``.
 """
@@ -127,7 +127,7 @@ def run(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--configs", default="4:7,4:11,5:3", help="delta_bits:escapes, comma-separated")
+    ap.add_argument("--configs", default="4:3,4:7,5:3", help="delta_bits:escapes, comma-separated")
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)

@@ -66,19 +66,31 @@ def _f32(patterns: np.ndarray) -> jax.Array:
 
 @pytest.fixture(scope="module")
 def exchange(mesh):
-    """One compiled shard_map: all_gather, reduce_scatter and the two-phase all_reduce,
-    each with lossless and with cast(bf16)."""
+    """One compiled shard_map: all_gather, reduce_scatter and the two-phase all_reduce
+    with lossless, and the two-phase all_reduce with cast(bf16) (the others are checked
+    against the patterns and a numpy sum)."""
 
     def local(x):
         x = x[0]
-        outs = []
-        for codec in (CODEC, CAST):
-            outs += [cc.all_gather(x, AX, codec), cc.reduce_scatter(x, AX, codec),
-                     cc.all_reduce(x, AX, codec, reducer="two_phase")]
+        outs = [cc.all_gather(x, AX, CODEC), cc.reduce_scatter(x, AX, CODEC),
+                cc.all_reduce(x, AX, CODEC, reducer="two_phase"),
+                cc.all_reduce(x, AX, CAST, reducer="two_phase")]
         return tuple(o[None] for o in outs)
 
-    fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=P(AX), out_specs=(P(AX),) * 6))
-    return lambda x: jax.device_get(fn(jax.device_put(x, NamedSharding(mesh, P(AX)))))
+    fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=P(AX), out_specs=(P(AX),) * 4))
+
+    def run(x):
+        ag, rs, ar, ar_c = jax.device_get(fn(jax.device_put(x, NamedSharding(mesh, P(AX)))))
+        # reduce_scatter: chunk r of the sum over replicas, in replica order from fp32 zeros.
+        total = np.zeros(L, np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in the adversarial rows
+            for r in range(N):
+                total = total + np.asarray(x)[r]
+        assert same_bits(rs.reshape(-1), total)
+        assert same_bits(ar, ar_c)
+        return ag
+
+    return run
 
 
 def test_one_replica_overflows_every_replica_sends_raw(exchange):
@@ -87,10 +99,9 @@ def test_one_replica_overflows_every_replica_sends_raw(exchange):
     assert [bool(CODEC.payload_overflow(w)) for w in words] == [r == 3 for r in range(N)]
     # Replica 3's coded words do not decode: a replica that decoded them would be wrong.
     assert not np.array_equal(_bits(CODEC.decode(words[3], L)), pats[3])
-    ag, rs, ar, ag_c, rs_c, ar_c = exchange(_f32(pats))
+    ag = exchange(_f32(pats))  # the sums: cast(bf16)'s (checked inside)
     for r in range(N):  # every replica took the fallback: every pattern back, bit for bit
         np.testing.assert_array_equal(_bits(ag[r]), pats.reshape(-1))
-    assert same_bits(rs, rs_c) and same_bits(ar, ar_c)  # the sums of cast(bf16)'s values
 
 
 @pytest.mark.parametrize("kinds", [("gradient", "subnormal", "nan", "special") * 2,
@@ -101,10 +112,9 @@ def test_every_pattern_comes_back_bit_for_bit(exchange, kinds):
     pats = np.stack([_patterns(k, seed=10 + r) for r, k in enumerate(kinds)])
     over = [bool(CODEC.payload_overflow(CODEC.encode(_f32(p), None))) for p in pats]
     assert any(over) == ("random" in kinds)
-    ag, rs, ar, ag_c, rs_c, ar_c = exchange(_f32(pats))
+    ag = exchange(_f32(pats))
     for r in range(N):
         np.testing.assert_array_equal(_bits(ag[r]), pats.reshape(-1))
-    assert same_bits(rs, rs_c) and same_bits(ar, ar_c)
     if not any(over):
         for p in pats:
             np.testing.assert_array_equal(_bits(CODEC.decode(CODEC.encode(_f32(p), None), L)), p)
@@ -114,12 +124,13 @@ def test_every_pattern_comes_back_bit_for_bit(exchange, kinds):
 def test_training_equals_cast_bf16_bit_for_bit():
     """60 steps of Adam on the non-i.i.d. task with error feedback (60 to fit the test
     budget; 200 were checked when this was written): lossless gives cast(bf16)'s
-    parameters, state and losses bit for bit. One escape per block of 64, so that steps
-    take the fallback: residuals there must come from the bfloat16 values, not from the
-    overflowed words (when they did not, this run parted from cast's)."""
+    parameters, state and losses bit for bit. 2-bit deltas and one escape per block of
+    64, so that steps take the fallback: residuals there must come from the bfloat16
+    values, not from the overflowed words (when they did not, this run parted from
+    cast's)."""
     task = noniid_classification(N, examples_per_replica=16, dim=16, hidden=32, seed=2)
     runs = {}
-    for name, codec in (("lossless", cj.lossless(block_size=64, escapes=1)), ("cast", CAST)):
+    for name, codec in (("lossless", cj.lossless(block_size=64, delta_bits=2, escapes=1)), ("cast", CAST)):
         tx = optax.chain(cj.compressed_mean(codec, AX, reducer="allgather", min_compress_size=256),
                          optax.adam(1e-2))
         runs[name] = train(tx, task, 60, log_every=20)
@@ -129,7 +140,7 @@ def test_training_equals_cast_bf16_bit_for_bit():
 
 
 def test_hlo_bytes_below_cast_and_fallback_in_conditional():
-    """All-gather reducer, 8 replicas: the steady collectives send the plan's bytes, 0.78x
+    """All-gather reducer, 8 replicas: the steady collectives send the plan's bytes, 0.77x
     of cast(bf16)'s; the fallback's all-gather (cast's bytes) sits in the conditional.
     (The contract matrix checks steady bytes == plan for every reducer.)"""
     params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
@@ -143,7 +154,7 @@ def test_hlo_bytes_below_cast_and_fallback_in_conditional():
         ratio = (cj.communication_plan(CODEC, params, N, reducer=reducer).compressed_bytes
                  / cj.communication_plan(CAST, params, N, reducer=reducer).compressed_bytes)
         assert ratio <= 0.8, (reducer, ratio)
-    assert CODEC.bits_per_element() == 12.5
+    assert CODEC.bits_per_element() == 12.375
 
 
 def test_interpret_kernel_equals_reference():

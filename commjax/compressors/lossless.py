@@ -4,10 +4,11 @@ Training traffic in bfloat16 carries far fewer bits than it occupies, mostly in 
 8-bit exponent: within a block of neighbouring values the exponents span a few binades.
 XLA collectives need static shapes, so this is a *fixed-rate* code (layout and maths in
 :mod:`commjax.kernels.lossless`): per block of ``B`` values one base exponent (the
-block's largest), a ``delta_bits``-bit distance below it per value (one code reserved for
+block's largest) and a 4-bit offset below it per group of 32 values, a
+``delta_bits``-bit distance below its group's reference per value (one code reserved for
 zeros and subnormals), the sign and mantissa raw, and ``escapes`` slots of (index,
-exponent) for values further below. Per element: ``8 + delta_bits + 16 (escapes + 1) /
-B`` bits rounded up to words: 12.5 (0.78 of bfloat16) at the defaults.
+exponent) for values further below. Per element: ``8 + delta_bits + 32 (ceil((escapes +
+1) / 2) + 1) / B`` bits: 12.375 (0.77 of bfloat16) at the defaults.
 
 Exactness: a float32 input is first rounded to bfloat16 (to nearest even, the bits
 :func:`commjax.cast` gives every non-NaN value), and every bfloat16 pattern (NaN
@@ -24,8 +25,8 @@ slots, its payload cannot be decoded. The reducers read each payload's overflow 
 first; then every replica takes the same ``lax.cond`` branch and, on overflow, sends the
 raw :attr:`Lossless.fallback` payload as well (the bfloat16 patterns, 16 bits each:
 the bytes of ``cast(bf16)``). Such a step costs the coded payload plus the raw one; the
-exponent spread of gradients early in training (from initialization) causes most of
-them, so ``delta_bits=5`` (31 binades per block) suits gradients from step 0.
+group references keep them rare (more ``escapes`` or ``delta_bits`` make them rarer
+still, for more bytes).
 
 Only payloads that are gathered or exchanged whole can be lossless (a sum cannot):
 reducers ``"allgather"`` and ``"two_phase"`` (all-to-all, a fixed-order fp32 sum,
@@ -99,7 +100,7 @@ class Lossless(BlockCompressor):
 
     block_size: int = 256
     delta_bits: int = 4
-    escapes: int = 7
+    escapes: int = 3
     kernels: Optional[str] = dataclasses.field(default=None, kw_only=True)
     name: ClassVar[str] = "lossless"
 
@@ -153,19 +154,20 @@ class Lossless(BlockCompressor):
 
 
 def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int = 4,
-             escapes: int = 7, *, kernels: Optional[str] = None) -> Lossless:
+             escapes: int = 3, *, kernels: Optional[str] = None) -> Lossless:
     """Fixed-rate lossless code of bfloat16 payloads: ``cast(bf16)``'s values in fewer bits.
 
-    Per block of ``block_size`` values: the largest exponent ``b``; per value a
-    ``delta_bits``-bit code, ``b - e`` for an exponent ``e`` within ``2**delta_bits - 2``
-    binades of ``b`` or "zero/subnormal"; the sign and 7 mantissa bits raw; ``escapes``
+    Per block of ``block_size`` values: the largest exponent ``b`` and, per group of 32
+    values, a reference ``r = b - min(b - group max, 15)``; per value a
+    ``delta_bits``-bit code, ``r - e`` for an exponent ``e`` within ``2**delta_bits - 2``
+    binades of ``r`` or "zero/subnormal"; the sign and 7 mantissa bits raw; ``escapes``
     16-bit slots (index, exponent) for the values further below. Inputs are rounded to
     bfloat16 first (round-to-nearest-even, as :func:`commjax.cast`); from there the code
     is exact, for every bit pattern.
 
-    Bits per element: ``8 + delta_bits + 32 ceil((escapes + 1) / 2) / block_size``
-    (12.5 at the defaults, 0.78 of bfloat16's 16). A payload with a block that has more
-    than ``escapes`` far-below exponents on any replica travels as ``cast(bf16)`` too,
+    Bits per element: ``8 + delta_bits + 32 (ceil((escapes + 1) / 2) + 1) / block_size``
+    (12.375 at the defaults, 0.77 of bfloat16's 16). A payload with a block that has
+    more than ``escapes`` far-below exponents on any replica travels as raw bfloat16 too,
     for that step (see the module docstring).
 
     Usable wherever payloads are gathered or exchanged whole: ``compressed_mean`` with
