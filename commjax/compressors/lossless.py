@@ -45,6 +45,7 @@ from jax import lax
 
 from commjax import kernels as _kernels
 from commjax.compressors.base import BlockCompressor, Compressor, check_positive_int
+from commjax.compressors.exact import Identity
 from commjax.kernels.lossless import header_column, lossless_decode, lossless_encode, lossless_words
 from commjax.validation import check_int
 
@@ -96,47 +97,76 @@ class RawBf16(BlockCompressor):
 @dataclasses.dataclass(frozen=True)
 class Lossless(BlockCompressor):
     """bfloat16 values as base exponent + exponent deltas + raw sign/mantissa + escapes
-    (see :func:`lossless`). ``kernels`` picks the encoder's implementation."""
+    (see :func:`lossless`); float32 as that code of its top 16 bits + its low 16 bits
+    raw. ``kernels`` picks the encoder's implementation."""
 
     block_size: int = 256
     delta_bits: int = 4
     escapes: int = 3
+    dtype_name: str = "bfloat16"
     kernels: Optional[str] = dataclasses.field(default=None, kw_only=True)
     name: ClassVar[str] = "lossless"
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        """float32 on the wire: decode(encode(x)) == x for every float32 ``x`` (error
+        feedback then keeps no residual). bfloat16: exact after the rounding to bf16."""
+        return self.dtype_name == "float32"
 
     @property
     def block(self) -> int:
         return self.block_size
 
     @property
-    def row_words(self) -> int:
+    def _coded_words(self) -> int:
         return lossless_words(self.block_size, self.delta_bits, self.escapes)
 
     @property
+    def row_words(self) -> int:
+        return self._coded_words + (self.block_size // 2 if self.lossless else 0)
+
+    @property
     def fallback(self) -> Compressor:
-        """What travels when some payload overflows its escapes: the same bfloat16
-        patterns raw, 16 bits each (:class:`RawBf16`, the bytes of ``cast(bf16)``)."""
-        return RawBf16()
+        """What travels when some payload overflows its escapes: the same values raw,
+        :class:`RawBf16` (the bytes of ``cast(bf16)``) or fp32 words (``identity()``)."""
+        return Identity() if self.lossless else RawBf16()
 
     def encode_blocks(self, blocks, key, start=0):
-        return lossless_encode(bf16_bits(blocks), delta_bits=self.delta_bits, escapes=self.escapes,
-                               impl=self.kernels)
+        if not self.lossless:
+            return lossless_encode(bf16_bits(blocks), delta_bits=self.delta_bits,
+                                   escapes=self.escapes, impl=self.kernels)
+        bits = lax.bitcast_convert_type(blocks.astype(jnp.float32), jnp.uint32)
+        coded = lossless_encode(bits >> 16, delta_bits=self.delta_bits, escapes=self.escapes,
+                                impl=self.kernels)
+        low = bits & 0xFFFF
+        return jnp.concatenate([coded, low[:, 0::2] | low[:, 1::2] << 16], axis=1)
 
     def decode_blocks(self, rows):
-        return bf16_value(lossless_decode(rows, block_size=self.block_size,
-                                          delta_bits=self.delta_bits, escapes=self.escapes))
+        high = lossless_decode(rows[:, :self._coded_words], block_size=self.block_size,
+                               delta_bits=self.delta_bits, escapes=self.escapes)
+        if not self.lossless:
+            return bf16_value(high)
+        low = rows[:, self._coded_words:]
+        low = jnp.stack([low & 0xFFFF, low >> 16], axis=2).reshape(rows.shape[0], -1)
+        return lax.bitcast_convert_type(high << 16 | low, jnp.float32)
+
+    def _values(self, x: jax.Array) -> jax.Array:
+        """What ``x`` decodes to: itself (float32) or its bfloat16 rounding."""
+        x = x.astype(jnp.float32)
+        return x if self.lossless else bf16_value(bf16_bits(x))
 
     def encode_and_decode(self, x, key, segments=None, *, start: int = 0):
-        """``(encode(x), bf16(x))``: the decoded values are the bfloat16 rounding itself,
-        which is what a payload decodes to, and what the fallback carries where a block
-        overflowed (its coded words would not decode): error feedback stays exact."""
-        return self.encode(x, key, segments, start=start), bf16_value(bf16_bits(x))
+        """``(encode(x), values)``: the decoded values are the bfloat16 rounding itself
+        (float32: ``x``), which is what a payload decodes to, and what the fallback carries
+        where a block overflowed (its coded words would not decode): error feedback stays
+        exact."""
+        return self.encode(x, key, segments, start=start), self._values(x)
 
     def roundtrip(self, x: jax.Array, key: Optional[jax.Array] = None) -> jax.Array:
-        """What every replica receives for ``x`` (any shape, float dtype): its bfloat16
-        rounding, exact even where a block would overflow (the fallback carries it)."""
+        """What every replica receives for ``x`` (any shape, float dtype), exact even where
+        a block would overflow (the fallback carries it)."""
         x = jnp.asarray(x)
-        return bf16_value(bf16_bits(jnp.ravel(x))).reshape(x.shape).astype(x.dtype)
+        return self._values(jnp.ravel(x)).reshape(x.shape).astype(x.dtype)
 
     def _headers(self, words: jax.Array) -> jax.Array:
         rows = words.reshape(-1, self.row_words)
@@ -176,7 +206,10 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
     ``cj.zero(..., weight_codec=cj.lossless())``.
 
     Args:
-      dtype: the wire dtype; ``jnp.bfloat16`` only.
+      dtype: ``jnp.bfloat16`` (inputs rounded to it; 12.375 bits per element) or
+        ``jnp.float32`` (exact for every float32: its top 16 bits through this code, the
+        low 16 raw; 28.375 bits per element, 0.89 of 32; ``lossless = True``, so error
+        feedback keeps no residual).
       block_size: values per base exponent, a multiple of 32 in ``[32, 256]`` (an escape's
         index is one byte).
       delta_bits: bits of each exponent code, 1 to 7.
@@ -184,9 +217,12 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
       kernels: the :mod:`commjax.kernels` implementation of the encoder, as for
         :func:`commjax.quantize`; the bits do not depend on it.
     """
-    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
-        raise ValueError(f"lossless: `dtype` must be jnp.bfloat16, got {dtype!r}; for float32 "
-                         "on the wire use cj.identity().")
+    try:
+        dtype_name = jnp.dtype(dtype).name
+    except TypeError:
+        dtype_name = None
+    if dtype_name not in ("bfloat16", "float32"):
+        raise ValueError(f"lossless: `dtype` must be jnp.bfloat16 or jnp.float32, got {dtype!r}.")
     check_positive_int("block_size", block_size, factory="lossless")
     if block_size % 32 or block_size > 256:
         raise ValueError(f"lossless: `block_size` must be a multiple of 32 in [32, 256], got "
@@ -198,4 +234,5 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
     if escapes > block_size:
         raise ValueError(f"lossless: `escapes` must be at most block_size ({block_size}), got {escapes}.")
     _kernels.check_impl(kernels, "lossless", "kernels")
-    return Lossless(block_size=block_size, delta_bits=delta_bits, escapes=escapes, kernels=kernels)
+    return Lossless(block_size=block_size, delta_bits=delta_bits, escapes=escapes,
+                    dtype_name=dtype_name, kernels=kernels)
