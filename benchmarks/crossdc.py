@@ -22,6 +22,7 @@ replicas' average parameters (equal to every replica's after a DiLoCo sync). Rat
 to ``dp_adam`` and to ``diloco_fp32`` from the same run.
 
     python benchmarks/crossdc.py [--steps 500] [--only dp_adam,diloco_fp32] [--out benchmarks/results/crossdc.json]
+    python benchmarks/crossdc.py --bytes-only --only sd_P4_t0_q4   # bytes of existing rows, no training
 """
 
 from __future__ import annotations
@@ -137,21 +138,28 @@ def plan_bytes(name, kind, frags, comp, params, args) -> float:
     return cj.exact_mean_bytes(_charlm.num_params(params), N)
 
 
-def train(name, make, mesh, graphdef, params, corpus, held_out, args) -> dict:
+def compile_method(make, mesh, graphdef, params, corpus, args):
+    """The method's compiled ``eval_every`` steps, with its start (state, parameters),
+    its batches and its HLO bytes (:func:`hlo_bytes`)."""
     tx = make()
     state = cj.shard_state(tx.init(params), mesh, AXIS)
     steps = make_steps(tx, mesh, state, graphdef)
-    k = args.eval_every
     p = jax.device_put(jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (N,) + a.shape), params),
                        NamedSharding(mesh, P(AXIS)))
     batch_shard = NamedSharding(mesh, P(None, AXIS))
     batches_of = lambda t0: jax.device_put(np.stack([  # noqa: E731
         corpus.batch(args.seed, t, N * args.batch_size, args.seq_len).reshape(N, args.batch_size, -1)
-        for t in range(t0, t0 + k)]), batch_shard)
+        for t in range(t0, t0 + args.eval_every)]), batch_shard)
     t0 = time.perf_counter()
     compiled = steps.lower(p, state, batches_of(0)).compile()
     compile_s = time.perf_counter() - t0
     wire = hlo_bytes(parse_hlo_collectives(compiled.as_text()), args.sync_every)
+    return compiled, state, p, batches_of, wire, compile_s
+
+
+def train(name, make, mesh, graphdef, params, corpus, held_out, args) -> dict:
+    compiled, state, p, batches_of, wire, compile_s = compile_method(make, mesh, graphdef, params, corpus, args)
+    k = args.eval_every
     eval_loss = jax.jit(lambda q: _charlm.loss_fn(graphdef, jax.tree_util.tree_map(
         lambda a: jnp.mean(a, axis=0), q), held_out))
     evals, losses, t0 = [(0, float(eval_loss(p)))], [], time.perf_counter()
@@ -234,10 +242,27 @@ _SETTINGS = ("steps", "sync_every", "lr", "demo_lr", "demo_beta", "demo_chunk", 
              "seq_len", "d_model", "layers", "eval_every", "corpus_chars", "seed", "block_size")
 
 
+def rebytes(rows, chosen, all_methods, mesh, graphdef, params, corpus, args) -> dict:
+    """``--bytes-only``: the rows of ``--out`` with the chosen methods' bytes read again
+    from their compiled steps (and their plan); each such row says which fields are new."""
+    for name in chosen:
+        if name not in rows:
+            raise SystemExit(f"error: --bytes-only: {name} has no row in {args.out} to update; train it first")
+        make, kind, frags, comp = all_methods[name]
+        wire = compile_method(make, mesh, graphdef, params, corpus, args)[4]
+        rows[name]["bytes"], rows[name]["plan_bytes"] = wire, plan_bytes(name, kind, frags, comp, params, args)
+        rows[name]["bytes_only"] = ("bytes and plan_bytes re-read from the compiled step by --bytes-only (the last "
+                                    "command); eval, losses and seconds are those of this row's earlier training "
+                                    "run, not re-measured")
+        print(f"  {name}: {wire['per_inner_step']:,.0f} B/inner step, peak {wire['peak']:,.0f} B, branches "
+              f"{[round(b) for b in wire['branches']]}, plan {rows[name]['plan_bytes']:,.1f}", flush=True)
+    return rows
+
+
 def _previous(args) -> tuple:
-    """With ``--append``: the rows (and commands) of ``--out``, which must have been
+    """With ``--append`` (or ``--bytes-only``): the rows (and commands) of ``--out``, which must have been
     made with the same settings."""
-    if not (args.append and os.path.exists(args.out)):
+    if not ((args.append or args.bytes_only) and os.path.exists(args.out)):
         return {}, []
     with open(args.out) as f:
         old = json.load(f)
@@ -267,6 +292,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated method names (default: all)")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out (same settings) and add these: a long grid in several runs")
+    ap.add_argument("--bytes-only", action="store_true",
+                    help="compile the --only methods and replace their HLO and plan bytes in --out (same "
+                         "settings), keeping the losses already there: no training")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "crossdc.json"))
     args = ap.parse_args(argv)
     if args.steps % args.eval_every:
@@ -281,6 +309,9 @@ def main(argv=None) -> int:
     print(f"{_charlm.num_params(params):,} parameters, {N} workers x {args.batch_size} windows of "
           f"{args.seq_len}, {args.steps} steps, H = {args.sync_every}")
     rows, commands = _previous(args)
+    if args.bytes_only:
+        rows = rebytes(rows, chosen, all_methods, mesh, graphdef, params, corpus, args)
+        chosen = []
     for name in chosen:
         make, kind, frags, comp = all_methods[name]
         rows[name] = train(name, make, mesh, graphdef, params, corpus, held_out, args)

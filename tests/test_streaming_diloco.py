@@ -11,14 +11,17 @@ import commjax as cj
 from commjax import _compat
 from commjax.accounting import parse_hlo_collectives
 from commjax.optimizers.streaming_diloco import (
-    StreamingDiLoCoState, fragment_leaves, streaming_diloco, streaming_diloco_bytes,
+    Piece, StreamingDiLoCoState, fragment_leaves, streaming_diloco, streaming_diloco_bytes,
 )
 from commjax.testing import ready, same_bits
 
 N = 8
 LR, OUT_LR, MU = 0.1, 0.7, 0.9
-SMALL = {"a": jnp.zeros((64,)), "b": jnp.zeros((64,)), "c": jnp.zeros((8, 8)), "d": jnp.zeros((64,))}
-BIG = {k: jnp.zeros((64, 64)) for k in "abcd"}  # 2 blocks of 256 per replica: no padding
+# Uneven leaves: 2 fragments of 228 elements each cut "b" inside a row.
+SMALL = {"a": jnp.zeros((24,)), "b": jnp.zeros((40, 8)), "c": jnp.zeros((8, 8)), "d": jnp.zeros((48,))}
+# 4-bit: 8 granules of 256 x 8 compressed elements (2 per fragment, "a" cut at rows 64 and
+# 128, "b" at row 32) and one exact vector shared out in 4 pieces.
+BIG = {"a": jnp.zeros((160, 64)), "b": jnp.zeros((64, 64)), "c": jnp.zeros((32, 64)), "d": jnp.zeros((64,))}
 TWO = {"w": jnp.zeros((32, 32)), "b": jnp.zeros((32,))}  # one compressed leaf, one exact
 
 
@@ -87,8 +90,9 @@ def reference(p0, grads_of, steps, *, n_w, h, frags, tau, alpha, groups):
     workers' parameters and the anchor."""
     keys = sorted(p0)
     p = [{k: np.asarray(p0[k], np.float32) for k in keys} for _ in range(n_w)]
-    anchor = {k: np.asarray(p0[k], np.float32) for k in keys}
-    mom = {k: np.zeros_like(anchor[k]) for k in keys}
+    anchor = {k: np.array(p0[k], np.float32) for k in keys}
+    flat = lambda x, q: x[keys[q.leaf]].reshape(-1)[q.start:q.stop]  # noqa: E731 (a view)
+    mom = {q: np.zeros(q.stop - q.start, np.float32) for g in groups for q in g}
     pending, s, log = {}, h // frags, []
     for t in range(steps):
         g = grads_of(t, p)
@@ -96,18 +100,17 @@ def reference(p0, grads_of, steps, *, n_w, h, frags, tau, alpha, groups):
         r = (t + 1) % h
         if r % s == 0:
             f = (r // s + frags - 1) % frags
-            pending[f] = {keys[j]: np.mean([anchor[keys[j]] - w[keys[j]] for w in local], axis=0)
-                          for j in groups[f]}
+            pending[f] = {q: np.mean([flat(anchor, q) - flat(w, q) for w in local], axis=0) for q in groups[f]}
         r = (t + 1 - tau) % h
         if t >= tau and r % s == 0:
             f = (r // s + frags - 1) % frags
-            for k, m in pending.pop(f).items():
-                mom[k] = m + MU * mom[k]
-                anchor[k] = anchor[k] - OUT_LR * (m + MU * mom[k])
+            for q, m in pending.pop(f).items():
+                mom[q] = m + MU * mom[q]
+                flat(anchor, q)[:] = flat(anchor, q) - OUT_LR * (m + MU * mom[q])
                 for w in local:
-                    w[k] = alpha * w[k] + (1 - alpha) * anchor[k]
+                    flat(w, q)[:] = alpha * flat(w, q) + (1 - alpha) * flat(anchor, q)
         p = local
-        log.append(([dict(w) for w in p], dict(anchor)))
+        log.append(([dict(w) for w in p], {k: v.copy() for k, v in anchor.items()}))
     return log
 
 
@@ -137,7 +140,10 @@ def test_overlap_and_mix_follow_the_reference_schedule(overlapped):
     targets = _targets(SMALL, N)
     log = overlapped.run(STEPS, _quadratic(targets))
     groups = fragment_leaves(SMALL, FRAGS)
-    assert groups == ((0, 2), (1, 3))
+    # Largest leaf first: "b" (index 1) is cut after 228 elements, inside row 28.
+    assert groups == ((Piece(1, 0, 228, (1, 228)),),
+                      (Piece(0, 0, 24, (24,)), Piece(1, 228, 320, (1, 92)), Piece(2, 0, 64, (8, 8)),
+                       Piece(3, 0, 48, (48,))))
     ref = reference(SMALL, _quadratic(targets), STEPS, n_w=N, h=H, frags=FRAGS, tau=TAU, alpha=ALPHA, groups=groups)
     moved = set()
     for t, ((p, state), (p_ref, a_ref)) in enumerate(zip(log, ref)):
@@ -148,11 +154,15 @@ def test_overlap_and_mix_follow_the_reference_schedule(overlapped):
             np.testing.assert_allclose(copies[0], a_ref[k], rtol=2e-5, atol=1e-6, err_msg=f"{t} {k}")
             for i in range(N):
                 np.testing.assert_allclose(p[i][k], p_ref[i][k], rtol=2e-5, atol=1e-6, err_msg=f"{t} {k} {i}")
-            if t and not np.array_equal(copies[0], _anchor_copies(log[t - 1][1], k)[0]):
-                moved.add((t, k))
-    # Fragment 0 (a, c) merges at steps 2, 6, 10; fragment 1 (b, d) at 4, 8 (t=0 has no
-    # predecessor to compare with).
-    assert moved == {(t, k) for t in (2, 6, 10) for k in "ac"} | {(t, k) for t in (4, 8) for k in "bd"}
+            before = _anchor_copies(log[t - 1][1], k)[0] if t else np.zeros_like(copies[0])
+            for f, group in enumerate(groups):
+                for q in group:
+                    if "abcd"[q.leaf] == k and not np.array_equal(
+                            copies[0].reshape(-1)[q.start:q.stop], before.reshape(-1)[q.start:q.stop]):
+                        moved.add((t, f))
+    # Fragment 0 (b's first 228 elements) merges at steps 2, 6, 10, fragment 1 (the rest)
+    # at 4, 8 (t=0 has no predecessor to compare with); nothing else moves an anchor.
+    assert moved == {(2, 0), (6, 0), (10, 0), (4, 1), (8, 1)}
     assert int(np.asarray(log[-1][1].count)) == STEPS
 
 
@@ -164,8 +174,9 @@ def test_sync_bytes_equal_the_plan_and_peak_is_one_fragment(overlapped):
         assert c.in_conditional and c.group_size == n
         per[c.computation] = per.get(c.computation, 0.0) + c.ring_bytes
     assert sorted(per.values()) == pytest.approx(sorted(plan.per_fragment))
-    assert plan.per_fragment == (cj.exact_mean_bytes(128, n),) * 2
-    assert max(per.values()) == pytest.approx(plan.full_sync / FRAGS)
+    assert plan.per_fragment == (cj.exact_mean_bytes(228, n),) * 2
+    # Uneven leaves, and still exactly half of a full sync at the peak.
+    assert max(per.values()) == plan.full_sync / FRAGS
     assert plan.per_inner_step == pytest.approx(plan.full_sync / H)
 
 
@@ -177,7 +188,7 @@ def test_nan_on_one_replica_reaches_every_replica_at_the_merge(overlapped):
         g = quad(t, p)
         if t == 1:  # fragment 0's send step
             g[3] = {k: v.copy() for k, v in g[3].items()}
-            g[3]["a"][5] = np.nan
+            g[3]["b"][0, 5] = np.nan  # fragment 0's piece of "b"
         return g
 
     log = overlapped.run(3, grads)
@@ -224,7 +235,7 @@ def test_static_steps_take_the_collective_out_of_the_conditional(mesh, overlappe
     # nothing waits on them until their merge a step later; traced: both inside one.
     rep_s = parse_hlo_collectives(static.as_text())
     assert [c.in_conditional for c in rep_s] == [False, False]
-    assert [c.ring_bytes for c in rep_s] == [cj.exact_mean_bytes(128, N)] * 2
+    assert [c.ring_bytes for c in rep_s] == [cj.exact_mean_bytes(228, N)] * 2
     assert all(c.in_conditional for c in parse_hlo_collectives(traced.as_text()))
     targets = _targets(SMALL, N, seed=6)
     c = overlapped.stack(targets, overlapped.p_shard)
@@ -269,13 +280,23 @@ def quantized(mesh):
 
 def test_quantized_fragments_send_their_plan_and_a_quarter_of_a_sync(quantized):
     rep = quantized.collectives
-    plan = streaming_diloco_bytes(BIG, N, sync_every=8, fragments=4, compressor=cj.quantize(4))
+    q4 = cj.quantize(4)
+    plan = streaming_diloco_bytes(BIG, N, sync_every=8, fragments=4, compressor=q4)
+    groups = fragment_leaves(BIG, 4, q4, N)
+    # Two granules of 256 x 8 compressed elements each, cut along rows; the exact vector
+    # "d" (index 3) in four pieces of 16.
+    assert [[(q.leaf, q.shape) for q in g if q.leaf != 3] for g in groups] == [
+        [(0, (64, 64))], [(0, (64, 64))], [(0, (32, 64)), (1, (32, 64))], [(1, (32, 64)), (2, (32, 64))]]
+    assert [[q.shape for q in g if q.leaf == 3] for g in groups] == [[(16,)]] * 4
     per = {}
     for c in rep:
         assert c.in_conditional
         per[c.computation] = per.get(c.computation, 0.0) + c.ring_bytes
     assert sorted(per.values()) == pytest.approx(sorted(plan.per_fragment))
-    assert max(per.values()) <= plan.full_sync / 4 + 1e-9
+    # A quarter of the full sync, plus the NaN flag (one fp32 per compressed piece) of at
+    # most two pieces.
+    assert plan.full_sync / 4 < max(per.values()) <= plan.full_sync / 4 + cj.exact_mean_bytes(2, N)
+    assert sum(plan.per_fragment) == plan.full_sync + cj.exact_mean_bytes(3, N)  # 6 pieces, 3 leaves
     assert any(d.startswith("u") for c in rep for d in c.dtypes)
     # 4-bit outer gradients: >= 7.5x fewer bytes per inner step than an fp32 DiLoCo sync.
     exact = streaming_diloco_bytes(BIG, N, sync_every=8)
@@ -288,11 +309,12 @@ def test_quantized_anchors_identical_on_every_device_after_every_sync(quantized)
         for k in BIG:
             copies = _anchor_copies(state, k)
             assert all(np.array_equal(c, copies[0]) for c in copies), (t, k)
-    # Fragment f syncs at step 2f + 1: each anchor moved exactly once in the round.
-    for f, k in enumerate("abcd"):
-        before, after = log[2 * f][1].anchor[k], log[2 * f + 1][1].anchor[k]
-        assert not np.array_equal(np.asarray(before), np.asarray(after))
-        assert np.array_equal(np.asarray(after), np.asarray(log[-1][1].anchor[k])) or f == 3
+    # Fragment f syncs at step 2f + 1: each piece of each anchor moved exactly then in the round.
+    anchor = lambda t, q: np.asarray(log[t][1].anchor["abcd"[q.leaf]]).reshape(-1)[q.start:q.stop]  # noqa: E731
+    for f, group in enumerate(fragment_leaves(BIG, 4, cj.quantize(4), N)):
+        for q in group:
+            moved = [t for t in range(1, 8) if not np.array_equal(anchor(t - 1, q), anchor(t, q))]
+            assert moved == [2 * f + 1], (f, q)
 
 
 # ------------------------------------------------------------------------- groups (2-D mesh)
@@ -371,9 +393,9 @@ def test_bad_types_and_too_many_fragments():
         streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, compressor="q4")
     with pytest.raises(TypeError, match="`outer`"):
         streaming_diloco(optax.sgd(0.1), lambda g: g, sync_every=4)
-    tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=8, fragments=8)
-    with pytest.raises(ValueError, match="`fragments` \\(8\\) is more than the parameters' 4 leaves"):
-        tx.init(SMALL)
+    tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, fragments=4)
+    with pytest.raises(ValueError, match="`fragments` \\(4\\) is more than the parameters' 3 elements"):
+        tx.init({"w": jnp.zeros((3,))})
     tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4)
     with pytest.raises(cj.AxisNotBoundError, match="shard_map"):
         tx.update(SMALL, tx.init(SMALL), SMALL)
@@ -382,11 +404,30 @@ def test_bad_types_and_too_many_fragments():
         one.update(SMALL, one.init(SMALL))
 
 
+def _tiles(groups, params):
+    """Each leaf's pieces cover it exactly once, in order."""
+    leaves = jax.tree_util.tree_leaves(params)
+    for i, leaf in enumerate(leaves):
+        spans = sorted((q.start, q.stop) for g in groups for q in g if q.leaf == i)
+        assert spans[0][0] == 0 and spans[-1][1] == leaf.size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    return [sum(q.stop - q.start for q in g) for g in groups]
+
+
 def test_fragments_balance_elements_and_state_layout():
-    params = {"a": jnp.zeros((10,)), "b": jnp.zeros((30,)), "c": jnp.zeros((20,)), "d": jnp.zeros((50,))}
-    assert fragment_leaves(params, 1) == ((0, 1, 2, 3),)
-    assert fragment_leaves(params, 2) == ((0, 3), (1, 2))
-    assert fragment_leaves(params, 4) == ((3,), (1,), (2,), (0,))  # largest first
+    params = {"a": jnp.zeros((10,)), "b": jnp.zeros((30,)), "c": jnp.zeros((5, 4)), "d": jnp.zeros((50,))}
+    assert fragment_leaves(params, 1) == (tuple(Piece(i, 0, v.size, v.shape) for i, v in
+                                                enumerate(params.values())),)
+    # 110 elements: no fragment above ceil(110 / P), whatever the leaves.
+    assert _tiles(fragment_leaves(params, 2), params) == [55, 55]
+    assert _tiles(fragment_leaves(params, 3), params) == [36, 37, 37]
+    assert _tiles(fragment_leaves(params, 4), params) == [27, 28, 27, 28]
+    # Whole rows keep the leaf's trailing shape; a cut inside a row is one (1, n) row.
+    assert fragment_leaves({"c": jnp.zeros((6, 4))}, 3)[1] == (Piece(0, 8, 16, (2, 4)),)
+    assert fragment_leaves({"c": jnp.zeros((5, 4))}, 3)[1] == (Piece(0, 6, 13, (1, 7)),)
+    # The exact-mean plan: each fragment exactly 1/P of the full sync when P divides T.
+    b = streaming_diloco_bytes(SMALL, N, sync_every=6, fragments=3)
+    assert b.per_fragment == (cj.exact_mean_bytes(152, N),) * 3 and max(b.per_fragment) * 3 == b.full_sync
     tx = streaming_diloco(optax.adam(1e-3), nesterov(), sync_every=4, fragments=2, overlap=1,
                           compressor=cj.quantize(4), num_replicas=N)
     s = tx.init(BIG)
@@ -395,4 +436,4 @@ def test_fragments_balance_elements_and_state_layout():
     assert all(jax.tree_util.tree_leaves(mask.inner_state))
     assert not any(jax.tree_util.tree_leaves((mask.anchor, mask.outer_state, mask.count, mask.pending)))
     assert all(m.residual for m in mask.exchange) and len(s.exchange) == len(s.pending) == 2
-    assert [p.shape for p in s.pending[0]] == [(64, 64)] * 2
+    assert [p.shape for p in s.pending[0]] == [(128, 64), (32,)]  # 4 of 8 granules, half of "d"

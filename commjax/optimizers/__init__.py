@@ -12,7 +12,7 @@ from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ra
 from commjax.optimizers.diloco import DiLoCoState, diloco, landing_update
 from commjax.optimizers.onebit import onebit_adam, onebit_lamb
 from commjax.optimizers.streaming_diloco import (
-    StreamingDiLoCoBytes, StreamingDiLoCoState, fragment_leaves, streaming_diloco,
+    Piece, StreamingDiLoCoBytes, StreamingDiLoCoState, fragment_leaves, streaming_diloco,
     streaming_diloco_bytes,
 )
 from commjax.optimizers.zero import ZeroState, zero, zero_wire_bytes
@@ -22,7 +22,7 @@ __all__ = [
     "DGCState", "dgc", "dgc_communication_plan", "dgc_ratios",
     "DiLoCoState", "diloco", "landing_update",
     "onebit_adam", "onebit_lamb",
-    "StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco", "fragment_leaves",
+    "StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco", "fragment_leaves", "Piece",
     "streaming_diloco_bytes",
     "ZeroState", "zero", "zero_wire_bytes",
 ]

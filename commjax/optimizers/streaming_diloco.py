@@ -1,8 +1,9 @@
 """Streaming DiLoCo: DiLoCo whose parameters are synced in fragments at staggered steps.
 
-The parameter leaves are split into ``P`` static *fragments* of about equal size (whole
-leaves, balanced by element count: :func:`fragment_leaves`). Every replica trains locally with the inner
-optimizer; fragment ``f`` is synced once every ``H = sync_every`` steps, at its own step,
+The parameters are split into ``P`` static *fragments* of about equal bytes on the wire
+(:func:`fragment_leaves`): slices of the leaves laid end to end, cut inside the largest
+leaves (along rows where the cut allows), each leaf whole where no cut falls in it.
+Every replica trains locally with the inner optimizer; fragment ``f`` is synced once every ``H = sync_every`` steps, at its own step,
 the ``P`` fragments spread evenly over the round (one sync every ``H / P`` steps). With
 ``theta_f`` the fragment's anchor (shared by all replicas) and ``theta_{i,f}`` replica
 ``i``'s copy after the inner step of step ``t``::
@@ -17,11 +18,11 @@ fragment has its own outer-optimizer state and its own (optionally compressed, w
 error feedback) exchange.
 
 Communication per device: 0 on most steps; on a fragment's send step the exact fp32
-mean of that fragment (``2 (N-1)/N * 4 n_f`` bytes) or the bytes of
-:func:`commjax.compressed_mean` with the chosen compressor on the fragment's leaves. The
-peak per step is the largest fragment's exchange (about ``1/P`` of a DiLoCo sync) and the
-average per inner step is a DiLoCo sync divided by ``H``, as in DiLoCo
-(:func:`streaming_diloco_bytes`).
+mean of that fragment (``2 (N-1)/N * 4 n_f`` bytes, ``n_f <= ceil(n/P)``: at most ``1/P``
+of a DiLoCo sync, plus one element) or the bytes of :func:`commjax.compressed_mean` with
+the chosen compressor on the fragment's pieces (``1/P`` of a sync up to the reducer's
+granule of ``block * N`` elements and one fp32 NaN flag per cut piece). The average per
+inner step is a DiLoCo sync divided by ``H``, as in DiLoCo (:func:`streaming_diloco_bytes`).
 
 With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is :func:`commjax.diloco`, bit for bit.
 
@@ -33,6 +34,7 @@ Distributed Low-Communication Training of Language Models" (arXiv:2311.08105).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
@@ -41,7 +43,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from commjax import guards, validation
+from commjax import _compat, guards, validation
 from commjax.accounting import exact_mean_bytes
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
@@ -49,10 +51,10 @@ from commjax.optimizers.diloco import (
     _Config as _DiLoCoConfig, _all_finite, _check_vary, _group_mean, _inner_step, _pseudo_mean,
     _vary_marked, landing_update,
 )
-from commjax.plan import communication_plan
+from commjax.plan import COMPRESS, communication_plan, route_leaf
 from commjax.transform import compressed_mean
 
-__all__ = ["StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco",
+__all__ = ["StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco", "Piece",
            "fragment_leaves", "streaming_diloco_bytes"]
 
 _NAME = "streaming_diloco"
@@ -67,12 +69,12 @@ class StreamingDiLoCoState(NamedTuple):
       anchor: pytree like the parameters, replicated: each fragment's shared parameters
         as of that fragment's last merge.
       outer_state: tuple of ``P`` outer-optimizer states (fragment ``f``'s over the list
-        of its leaves), replicated.
+        of its pieces, each in :attr:`Piece.shape`), replicated.
       inner_state: the inner optimizer's state, **per replica** (leading axis of length 1
         on every leaf, as in :class:`commjax.optimizers.DiLoCoState`).
       exchange: tuple of ``P`` :class:`commjax.CompressedMeanState` (residuals per
         replica) when a ``compressor`` is given, else ``()``.
-      pending: with ``overlap > 0``, tuple of ``P`` lists of fp32 arrays (one per leaf of
+      pending: with ``overlap > 0``, tuple of ``P`` lists of fp32 arrays (one per piece of
         the fragment, in its shape): the mean pseudo-gradient received at the fragment's last
         send, merged ``overlap`` steps later; replicated. ``()`` when ``overlap == 0``.
     """
@@ -104,23 +106,134 @@ class StreamingDiLoCoBytes(NamedTuple):
     inner_group: float
 
 
-def fragment_leaves(params: Any, fragments: int) -> tuple[tuple[int, ...], ...]:
-    """Split the leaves of ``params`` (``jax.tree_util.tree_leaves`` order) into
-    ``fragments`` groups of about equal element counts: leaves from the largest down
-    (ties in leaf order) each join the group with the fewest elements so far (the lowest
-    index among equals). Every group holds at least one leaf; the result depends only on
-    the leaves' shapes. Returns each group's leaf indices, in increasing order."""
-    sizes = [int(np.prod(np.shape(l))) for l in jax.tree_util.tree_leaves(params)]
-    if fragments > len(sizes):
+class Piece(NamedTuple):
+    """A static slice of one parameter leaf: elements ``[start, stop)`` of the leaf
+    flattened in row-major order, exchanged in ``shape``: the leaf's own shape when the
+    piece is the whole leaf, ``(rows, *trailing)`` when it is whole rows of a leaf of
+    two or more dimensions, else ``(1, stop - start)`` for such a leaf (so that the
+    compressed exchange still compresses it) and ``(stop - start,)`` for a vector."""
+
+    leaf: int
+    start: int
+    stop: int
+    shape: tuple
+
+
+def _piece(shape: tuple, leaf: int, start: int, stop: int) -> Piece:
+    size, n = int(np.prod(shape)), stop - start
+    if n == size:
+        return Piece(leaf, start, stop, shape)
+    if len(shape) < 2:
+        return Piece(leaf, start, stop, (n,))
+    row = size // shape[0]
+    if start % row == 0 and stop % row == 0:
+        return Piece(leaf, start, stop, (n // row,) + tuple(shape[1:]))
+    return Piece(leaf, start, stop, (1, n))
+
+
+def _split_line(order: Sequence[int], shapes: Sequence[tuple], bounds: Sequence[int], groups: list,
+                unit: int = 1) -> None:
+    """Lay the leaves ``order`` end to end, each taking its size rounded up to ``unit``
+    elements, and give fragment ``f`` the elements in ``[bounds[f], bounds[f + 1])`` of
+    that line (appended to ``groups``)."""
+    offset = 0
+    for i in order:
+        size = int(np.prod(shapes[i]))
+        for f in range(len(groups)):
+            a, b = max(offset, bounds[f]) - offset, min(offset + size, bounds[f + 1]) - offset
+            if a < b:
+                groups[f].append(_piece(shapes[i], i, a, b))
+        offset += -(-size // unit) * unit
+
+
+def _even(total: int, fragments: int) -> list:
+    return [f * total // fragments for f in range(fragments + 1)]
+
+
+def _water_fill(costs: Sequence[float], total: int) -> list:
+    """Bounds that give fragment ``f`` ``e_f >= 0`` of ``total`` elements (``sum e_f = total``)
+    so that the largest ``costs[f] + e_f`` is as small as integers allow."""
+    lo, hi = 0, int(max(costs)) + total + 1
+    fill = lambda level: [max(0, math.floor(level - c)) for c in costs]  # noqa: E731
+    while lo < hi:  # the lowest integer level that holds every element
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if sum(fill(mid)) < total else (lo, mid)
+    e = fill(lo)
+    for f in sorted(range(len(e)), key=lambda g: (-(costs[g] + e[g]), -g)):
+        take = min(e[f], sum(e) - total)
+        e[f] -= take
+    return [sum(e[:f]) for f in range(len(e) + 1)]
+
+
+def _compressed_bounds(padded_total: int, fragments: int, compressor: Compressor,
+                       num_replicas: int) -> tuple[list, list]:
+    """Cuts of the compressed line at whole granules of ``alignment * N`` elements (the
+    two-phase reducer's chunking, so the fragments' padding adds up to the full sync's),
+    and each fragment's payload in exact-element equivalents (bytes / 4)."""
+    granule = compressor.alignment * num_replicas
+    count = -(-padded_total // granule)
+    bounds = [min(padded_total, (f * count // fragments) * granule) for f in range(fragments + 1)]
+    costs = [compressor.payload_bytes(-(-(b - a) // granule) * granule) / 4 if b > a else 0.0
+             for a, b in zip(bounds, bounds[1:])]
+    return bounds, costs
+
+
+def fragment_leaves(params: Any, fragments: int, compressor: Optional[Compressor] = None,
+                    num_replicas: int = 1) -> tuple[tuple[Piece, ...], ...]:
+    """Split the parameters into ``fragments`` static groups of :class:`Piece` s of about
+    equal bytes on the wire (``P = fragments``, ``N = num_replicas``).
+
+    The leaves (``jax.tree_util.tree_leaves`` order) are laid end to end from the largest
+    down (ties in leaf order) and the line is cut into ``P`` ranges. Exact mean
+    (``compressor=None``): fragment ``f`` takes elements ``[f T // P, (f+1) T // P)``, so
+    every fragment holds ``floor(T/P)`` or ``ceil(T/P)`` of the ``T`` elements. With a
+    ``compressor``, the leaves that :func:`commjax.compressed_mean` compresses form one
+    line (each padded to the codec's block), cut at whole granules of ``block * N``
+    elements (the two-phase reducer pads each exchange to one), so the fragments' payloads
+    add up to the full sync's; the leaves it sends exactly (under 1024 elements, vectors)
+    form a second line, shared out so that the fragments with fewer granules carry more of
+    it. Cuts fall in the largest leaves first, ``P = 1`` gives every leaf whole, and each
+    group lists its pieces by leaf index; the result depends only on the leaves' shapes
+    and dtypes (and on ``N`` with a compressor)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    shapes = [tuple(int(d) for d in np.shape(l)) for l in leaves]
+    sizes = [int(np.prod(s)) for s in shapes]
+    if fragments > sum(sizes):
         raise ValueError(
-            f"{_NAME}: `fragments` ({fragments}) is more than the parameters' {len(sizes)} "
-            f"leaves; fragments are whole leaves, so pass fragments <= {len(sizes)}.")
-    totals, groups = [0] * fragments, [[] for _ in range(fragments)]
-    for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
-        f = min(range(fragments), key=lambda g: (totals[g], g))
-        totals[f] += sizes[i]
-        groups[f].append(i)
+            f"{_NAME}: `fragments` ({fragments}) is more than the parameters' {sum(sizes)} elements; "
+            f"every fragment needs at least one, so pass fragments <= {sum(sizes)}.")
+    order = sorted(range(len(sizes)), key=lambda j: (-sizes[j], j))
+    groups = [[] for _ in range(fragments)]
+    if compressor is not None:
+        routed = [route_leaf(s, jnp.result_type(l), min_compress_size=1024, compress_vectors=False,
+                             compressor=compressor) for s, l in zip(shapes, leaves)]
+        squeezed = [i for i in order if routed[i] == COMPRESS]
+        unit = compressor.alignment
+        bounds, costs = _compressed_bounds(sum(-(-sizes[i] // unit) * unit for i in squeezed), fragments,
+                                           compressor, num_replicas)
+        _split_line(squeezed, shapes, bounds, groups, unit)
+        rest = [i for i in order if routed[i] != COMPRESS]
+        _split_line(rest, shapes, _water_fill(costs, sum(sizes[i] for i in rest)), groups)
+    if not all(groups):  # exact mean, or a compressed split that left a fragment empty
+        groups = [[] for _ in range(fragments)]
+        _split_line(order, shapes, _even(sum(sizes), fragments), groups)
     return tuple(tuple(sorted(g)) for g in groups)
+
+
+def _cut(leaf: Any, piece: Piece) -> Any:
+    """The piece's elements of ``leaf``, in the piece's shape (the leaf itself if whole)."""
+    if piece.shape == tuple(jnp.shape(leaf)):
+        return leaf
+    return jnp.reshape(leaf, (-1,))[piece.start:piece.stop].reshape(piece.shape)
+
+
+def _paste(leaf: Any, piece: Piece, value: Any) -> Any:
+    """``leaf`` with the piece's elements replaced by ``value`` (``value`` if whole)."""
+    if piece.shape == tuple(jnp.shape(leaf)):
+        return value
+    flat = lax.dynamic_update_slice(jnp.reshape(leaf, (-1,)), jnp.reshape(value, (-1,)).astype(leaf.dtype),
+                                    (piece.start,))
+    return flat.reshape(jnp.shape(leaf))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +247,8 @@ class _Config:
     axis_name: Any
     inner_axis_name: Any
     exchanges: tuple  # P compressed_mean transforms, or P Nones for the exact mean
+    compressor: Optional[Compressor]  # what the fragments are balanced for
+    num_replicas: Optional[int]
 
     def fragment(self, f: int) -> _DiLoCoConfig:
         """Fragment ``f`` seen as a DiLoCo (its exchange), for diloco's pieces."""
@@ -158,9 +273,10 @@ def _due(cfg: _Config, count: Any, delay: int) -> Any:
 
 
 def _send(cfg: _Config, f: int, idx, local, anchor, exchange):
-    """Fragment ``f``'s mean pseudo-gradient (fp32, the only collective of the step);
+    """Fragment ``f``'s mean pseudo-gradient over its pieces (fp32, the only collective of the step);
     a non-finite mean keeps the fragment's exchange residuals."""
-    deltas = [anchor[i].astype(jnp.float32) - local[i].astype(jnp.float32) for i in idx]
+    deltas = [_cut(anchor[q.leaf], q).astype(jnp.float32) - _cut(local[q.leaf], q).astype(jnp.float32)
+              for q in idx]
     mean, new_ex = _pseudo_mean(cfg.fragment(f), deltas, exchange[f] if exchange else ())
     mean = [m.astype(jnp.float32) for m in mean]
     if exchange:
@@ -171,27 +287,27 @@ def _send(cfg: _Config, f: int, idx, local, anchor, exchange):
 
 
 def _merge(cfg: _Config, f: int, idx, mean, params, local, anchor, outer_state):
-    """The outer step of fragment ``f`` on its mean; its leaves land on the mix of the
+    """The outer step of fragment ``f`` on its mean; its pieces land on the mix of the
     replica's own and the new shared parameters. Returns (landing updates of ``f``'s
-    leaves, new anchor leaves, outer states, bad)."""
+    pieces, new anchor pieces, outer states, bad)."""
     bad = jnp.logical_not(_all_finite(mean))
-    old = [anchor[i] for i in idx]
+    old = [_cut(anchor[q.leaf], q) for q in idx]
     mean = [m.astype(a.dtype) for m, a in zip(mean, old)]
     u_out, new_outer = cfg.outer.update(mean, outer_state[f], old)
     # One materialised value of the new anchor (see diloco._sync).
     new = lax.optimization_barrier(optax.apply_updates(old, u_out))
     target = new if cfg.mix == 0 else [
-        (cfg.mix * local[i].astype(jnp.float32) + (1 - cfg.mix) * n.astype(jnp.float32)).astype(n.dtype)
-        for i, n in zip(idx, new)]
-    steps = landing_update([params[i] for i in idx], target)
+        (cfg.mix * _cut(local[q.leaf], q).astype(jnp.float32) + (1 - cfg.mix) * n.astype(jnp.float32)).astype(n.dtype)
+        for q, n in zip(idx, new)]
+    steps = landing_update([_cut(params[q.leaf], q) for q in idx], target)
     outer_state = outer_state[:f] + (guards.keep_if(bad, outer_state[f], new_outer),) + outer_state[f + 1:]
     return steps, guards.keep_if(bad, old, new), outer_state, bad
 
 
-def _put(leaves: list, idx: Sequence[int], values: Sequence[Any]) -> list:
+def _put(leaves: list, idx: Sequence[Piece], values: Sequence[Any]) -> list:
     out = list(leaves)
-    for i, v in zip(idx, values):
-        out[i] = v
+    for q, v in zip(idx, values):
+        out[q.leaf] = _paste(out[q.leaf], q, v)
     return out
 
 
@@ -237,10 +353,10 @@ def _switch(cfg: _Config, index, branches, ops):
 def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params, step: Optional[int] = None):
     if params is None:
         raise ValueError(f"{_NAME}: update() needs this replica's `params` (update(grads, state, params)).")
-    guards.check_bound(cfg.axis_name, _NAME)
+    n_rep = guards.check_bound(cfg.axis_name, _NAME)
     if cfg.axis_name is not None:
         _check_vary(params, cfg.axis_name)
-    groups = fragment_leaves(params, cfg.fragments)
+    groups = fragment_leaves(params, cfg.fragments, cfg.compressor, n_rep)
     u_in, new_inner, local = _inner_step(cfg, _group_mean(updates, cfg.inner_axis_name, _NAME), state, params)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     local = jax.tree_util.tree_leaves(local)
@@ -275,9 +391,20 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params, step: Op
     return jax.tree_util.tree_unflatten(treedef, step), new_state
 
 
+def _layout_replicas(cfg: _Config) -> int:
+    """``N`` the compressed fragments are cut for at ``init``: the bound axis's size, else
+    ``num_replicas``, else every device (as :func:`commjax.compressed_mean` sizes its state)."""
+    if cfg.compressor is None or cfg.axis_name is None:
+        return 1
+    if _compat.axis_is_bound(cfg.axis_name):
+        return _compat.axis_size(cfg.axis_name)
+    return cfg.num_replicas if cfg.num_replicas is not None else jax.device_count()
+
+
 def _init(cfg: _Config, params) -> StreamingDiLoCoState:
     leaves = jax.tree_util.tree_leaves(params)
-    groups = [[jnp.asarray(leaves[i]) for i in idx] for idx in fragment_leaves(params, cfg.fragments)]
+    groups = [[_cut(jnp.asarray(leaves[q.leaf]), q) for q in idx]
+              for idx in fragment_leaves(params, cfg.fragments, cfg.compressor, _layout_replicas(cfg))]
     exact = cfg.exchanges[0] is None
     return StreamingDiLoCoState(
         count=jnp.zeros((), jnp.int32),
@@ -302,12 +429,13 @@ def streaming_diloco_bytes(params: Any, num_replicas: int, *, sync_every: int, f
     """Bytes per device on the wire of :func:`streaming_diloco` for ``params``, without
     compiling: each fragment's sync is the exact fp32 mean of its ``n_f`` elements
     (``2 (N-1)/N * 4 n_f``) or :func:`commjax.communication_plan` of the compressor on its
-    leaves; ``inner_replicas > 1`` adds the exact gradient mean over the inner axis on
+    pieces (:func:`fragment_leaves` for ``N = num_replicas``); ``inner_replicas > 1`` adds the exact gradient mean over the inner axis on
     every step (``2 (M-1)/M * 4 n``). ``fragments=1`` gives :func:`commjax.diloco`'s bytes.
     The compiled HLO carries exactly these bytes (tests/test_streaming_diloco.py)."""
     leaves = jax.tree_util.tree_leaves(params)
-    per = tuple(_sync_bytes([leaves[i] for i in idx], num_replicas, compressor)
-                for idx in fragment_leaves(params, fragments))
+    per = tuple(_sync_bytes([jax.ShapeDtypeStruct(q.shape, jnp.result_type(leaves[q.leaf])) for q in idx],
+                            num_replicas, compressor)
+                for idx in fragment_leaves(params, fragments, compressor, num_replicas))
     n = sum(int(np.prod(np.shape(l))) for l in leaves)
     group = exact_mean_bytes(n, inner_replicas) if inner_replicas > 1 else 0.0
     return StreamingDiLoCoBytes(
@@ -367,7 +495,7 @@ def streaming_diloco(
     ``update(grads, state, params)`` takes this replica's gradient and parameters (inside
     ``shard_map``/``pmap`` over ``axis_name``, parameters kept per replica as for
     :func:`commjax.diloco`). Step ``t`` (0-based; ``H = sync_every``, ``P = fragments``,
-    ``tau = overlap``, ``alpha = mix``; fragment ``f``'s leaves from
+    ``tau = overlap``, ``alpha = mix``; fragment ``f``'s pieces from
     :func:`fragment_leaves`)::
 
         g = mean over inner_axis_name of g_i        # exact fp32, every step (if given)
@@ -376,11 +504,11 @@ def streaming_diloco(
             pending_f = mean_i(theta_f - p'_{i,f})  # only fragment f's bytes
         f merges at t  if it sent at t - tau:
             theta_f <- theta_f + outer_f.update(pending_f, theta_f)
-            return landing_update(p, alpha p'_f + (1 - alpha) theta_f) on f's leaves, u_in elsewhere
+            return landing_update(p, alpha p'_f + (1 - alpha) theta_f) on f's pieces, u_in elsewhere
 
     Fragment ``P - 1`` syncs on DiLoCo's sync steps, the others ``H / P`` steps apart
     before it. The step counter is traced: a ``lax.switch`` over ``P + 1`` branches picks
-    the fragment, and only branch ``f`` holds a collective, of fragment ``f``'s leaves.
+    the fragment, and only branch ``f`` holds a collective, of fragment ``f``'s pieces.
     At a merge each replica lands on the new shared parameters (with ``alpha = 0``) as in
     :func:`commjax.diloco` (exactly where the move is representable, else within half an
     ulp of each term); anchors are bit-identical on every replica.
@@ -403,9 +531,10 @@ def streaming_diloco(
     state and exchange residuals. The counter always advances.
 
     Bytes per device (:func:`streaming_diloco_bytes`): on fragment ``f``'s send step the
-    exact mean of its ``n_f`` elements, ``2 (N-1)/N * 4 n_f``, or the compressor's bytes
-    for its leaves; 0 on other steps; a peak of about ``1/P`` of a DiLoCo sync and the same
-    average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact
+    exact mean of its ``n_f <= ceil(n/P)`` elements, ``2 (N-1)/N * 4 n_f``, or the
+    compressor's bytes for its pieces; 0 on other steps; a peak of ``1/P`` of a DiLoCo sync
+    (exact; compressed up to the granule of ``block * N`` elements and a NaN flag per
+    piece) and the same average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact
     all-reduce of the gradients over the fast axis every step, ``2 (M-1)/M * 4 n``.
 
     Args:
@@ -414,7 +543,10 @@ def streaming_diloco(
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
       sync_every: ``H``, inner steps between two syncs of the same fragment (``>= 1``).
       fragments: ``P``, number of fragments; must divide ``sync_every`` and be at most the
-        number of parameter leaves.
+        number of parameter elements. With a ``compressor`` the cuts depend on ``N``
+        (whole granules of ``block * N`` elements): ``init`` outside ``shard_map`` cuts
+        for ``num_replicas`` (default: every device), which must be the size of
+        ``axis_name``.
       overlap: ``tau``, steps between a fragment's send and its merge, ``0 <= tau < H``.
       mix: ``alpha`` in ``[0, 1]``, the weight of the replica's own parameters at a merge.
       compressor: ``None`` (exact fp32 mean) or a commjax compressor for
@@ -432,7 +564,7 @@ def streaming_diloco(
 
     Raises:
       ValueError: bad options (named in the message, with the fix); at ``init``/``update``
-        more fragments than parameter leaves, ``params`` missing or replicated.
+        more fragments than parameter elements, ``params`` missing or replicated.
       AxisNotBoundError: ``update`` called where an axis is not bound.
     """
     for name, tx in (("inner", inner), ("outer", outer)):
@@ -444,7 +576,7 @@ def streaming_diloco(
     validation.check_axis_pair(axis_name, inner_axis_name, factory=_NAME)
     validation.check_bool("error_feedback", error_feedback, factory=_NAME)
     exchanges = _exchanges(compressor, p, axis_name, error_feedback, num_replicas, seed)
-    cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges)
+    cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges, compressor, num_replicas)
     return optax.GradientTransformationExtraArgs(
         lambda params: _init(cfg, params),
         lambda u, s, params=None, *, step=None, **extra: _update(cfg, u, s, params, step))
