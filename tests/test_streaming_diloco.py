@@ -39,10 +39,13 @@ class Driver:
     """One compiled ``(params, grads, state) -> (updates, state)`` step over a mesh, with
     per-replica params (leading axis) on ``axis_name`` (and grads on every device)."""
 
-    def __init__(self, tx, params, mesh, axis_name="data", grad_axes="data"):
+    def __init__(self, tx, params, mesh, axis_name="data", grad_axes="data", place=None):
         self.tx, self.mesh, self.params = tx, mesh, params
-        self.state0 = cj.shard_state(tx.init(params), mesh, axis_name)
-        specs = cj.state_specs(self.state0, axis_name)
+        if place is None:
+            self.state0 = cj.shard_state(tx.init(params), mesh, axis_name)
+            specs = cj.state_specs(self.state0, axis_name)
+        else:  # ``place(state) -> (placed state, specs)``
+            self.state0, specs = place(tx.init(params))
         self.n = mesh.shape[axis_name]
         self.p_shard = NamedSharding(mesh, P(axis_name))
         self.g_shard = NamedSharding(mesh, P(grad_axes))
@@ -345,6 +348,75 @@ def test_groups_inside_workers_average_exactly_and_sync_over_the_slow_axis():
     synced = [c for c in rep if c.in_conditional]
     assert {c.group_size for c in synced} == {2}
     assert sorted(c.ring_bytes for c in synced) == pytest.approx(sorted(plan.per_fragment))
+
+
+def _both_axes(mesh):
+    """The docstring's layout: the state per worker ("dc"), the inner exchange per device."""
+    def place(s):
+        both = ("dc", "data")
+        state = cj.shard_state(s, mesh, "dc")._replace(inner_exchange=cj.shard_state(s.inner_exchange, mesh, both))
+        return state, cj.state_specs(state, "dc")._replace(inner_exchange=cj.state_specs(state.inner_exchange, both))
+    return place
+
+
+def test_compressed_group_mean_keeps_the_group_identical_and_sends_its_plan():
+    mesh = _compat.make_mesh((2, 4), ("dc", "data"))
+    q8 = cj.quantize(8)
+    tx = streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, fragments=FRAGS, overlap=TAU, mix=ALPHA,
+                          axis_name="dc", inner_axis_name="data", inner_compressor=q8, inner_replicas=4)
+    drv = Driver(tx, TWO, mesh, axis_name="dc", grad_axes=("dc", "data"), place=_both_axes(mesh))
+    targets = _targets(TWO, N, seed=7)
+    log = drv.run(6, _quadratic(targets, groups_of=4))
+    for _, state in log:
+        # check_vma=True accepted the parameters, inner state and anchor as one value per
+        # worker; each device's copy of them holds the same bits.
+        for tree in (state.inner_state, state.anchor):
+            for leaf in jax.tree_util.tree_leaves(tree):
+                shards = {}
+                for sh in leaf.addressable_shards:
+                    shards.setdefault(str(sh.index), []).append(np.asarray(sh.data))
+                assert all(np.array_equal(c, cs[0]) for cs in shards.values() for c in cs)
+        # The error-feedback residuals are the devices' own: all 8 differ.
+        res = np.asarray(state.inner_exchange.residual[0]).reshape(N, -1)
+        assert len({r.tobytes() for r in res}) == N
+    # Close to the exact group mean's schedule (8-bit gradients), not equal to it.
+    ref = reference(TWO, _worker_means(targets, 4), 6, n_w=2, h=H, frags=FRAGS, tau=TAU, alpha=ALPHA,
+                    groups=fragment_leaves(TWO, FRAGS))
+    p, p_ref = log[-1][0], ref[-1][0]
+    for w in range(2):
+        np.testing.assert_allclose(p[w]["w"], p_ref[w]["w"], rtol=0, atol=2e-2)
+        assert not np.array_equal(p[w]["w"], p_ref[w]["w"].astype(np.float32))
+    every_step = [c for c in drv.collectives if not c.in_conditional]
+    plan = streaming_diloco_bytes(TWO, 2, sync_every=H, fragments=FRAGS, inner_replicas=4, inner_compressor=q8)
+    assert {c.group_size for c in every_step} == {4}
+    assert sum(c.ring_bytes for c in every_step) == pytest.approx(plan.inner_group)
+    assert plan.inner_group < streaming_diloco_bytes(TWO, 2, sync_every=H, inner_replicas=4).inner_group / 2
+    assert any(d.startswith("u") for c in every_step for d in c.dtypes)
+    with pytest.raises(ValueError, match="`inner_compressor` compresses the gradient mean over `inner_axis_name`"):
+        streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, inner_compressor=q8)
+    with pytest.raises(TypeError, match="`inner_compressor` must be None"):
+        streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, axis_name="dc", inner_axis_name="data",
+                         inner_compressor="q8")
+    with pytest.raises(ValueError, match="`inner_replicas`"):
+        streaming_diloco(optax.sgd(LR), nesterov(), sync_every=H, axis_name="dc", inner_axis_name="data",
+                         inner_replicas=4)
+
+
+def test_compressed_group_mean_one_fragment_is_diloco_bit_for_bit():
+    """cj.diloco(inner_compressor=...) and its one-fragment streaming form: same bits."""
+    mesh = _compat.make_mesh((2, 4), ("dc", "data"))
+    make = dict(sync_every=2, axis_name="dc", inner_axis_name="data", inner_compressor=cj.quantize(4),
+                inner_replicas=4)
+    targets = _targets(TWO, N, seed=8)
+    runs = [Driver(tx, TWO, mesh, axis_name="dc", grad_axes=("dc", "data"), place=_both_axes(mesh)).run(
+        4, _quadratic(targets, groups_of=4)) for tx in (cj.diloco(optax.adam(1e-2), nesterov(), **make),
+                                                        streaming_diloco(optax.adam(1e-2), nesterov(), **make))]
+    for (p_a, s_a), (p_b, s_b) in zip(*runs):
+        assert same_bits(p_a, p_b) and same_bits(s_a.anchor, s_b.anchor)
+        assert same_bits(s_a.inner_exchange, s_b.inner_exchange) and same_bits(s_a.inner_state, s_b.inner_state)
+    assert not same_bits(runs[0][0][1].inner_exchange.residual, runs[0][-1][1].inner_exchange.residual)
+    with pytest.raises(ValueError, match="diloco: `inner_compressor` compresses"):
+        cj.diloco(optax.sgd(LR), nesterov(), sync_every=2, inner_compressor=cj.quantize(4))
 
 
 def test_diloco_groups_inside_workers_too():

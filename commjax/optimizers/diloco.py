@@ -54,6 +54,9 @@ class DiLoCoState(NamedTuple):
         inner optimizer's step counters are scalars).
       exchange: the :class:`commjax.CompressedMeanState` of the pseudo-gradient exchange
         when a ``compressor`` is given (its residuals are per replica), else ``()``.
+      inner_exchange: with ``inner_compressor``, the :class:`commjax.CompressedMeanState`
+        of the gradient mean over ``inner_axis_name``, its residuals **per device** (lay
+        them out over both axes, as :func:`commjax.streaming_diloco` shows); else ``()``.
 
     Parameters are per replica in DiLoCo (they differ between syncs), so the training
     loop keeps them with a leading replica axis and ``P(axis_name)`` specs, as
@@ -66,6 +69,7 @@ class DiLoCoState(NamedTuple):
     outer_state: Any
     inner_state: Any
     exchange: Any
+    inner_exchange: Any = ()
 
 
 def landing_update(params: Any, target: Any) -> Any:
@@ -122,6 +126,7 @@ class _Config:
     axis_name: Any
     exchange_tx: Optional[optax.GradientTransformation]
     inner_axis_name: Any = None
+    inner_tx: Optional[optax.GradientTransformation] = None  # compressed mean over the fast axis
 
 
 def _group_mean(updates: Any, inner_axis_name: Any, where: str) -> Any:
@@ -134,6 +139,35 @@ def _group_mean(updates: Any, inner_axis_name: Any, where: str) -> Any:
     means, _ = exact_mean(leaves, inner_axis_name if n > 1 else None, n)
     out = [m.reshape(jnp.shape(l)).astype(jnp.result_type(l)) for m, l in zip(means, leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _group(cfg: Any, updates: Any, inner_exchange: Any, where: str) -> tuple[Any, Any]:
+    """The gradients' mean over ``cfg.inner_axis_name``: exact (:func:`_group_mean`), or
+    through ``cfg.inner_tx`` (identical on every device of the group; its residuals stay
+    per device). Returns (mean, new inner exchange state)."""
+    if cfg.inner_tx is None:
+        return _group_mean(updates, cfg.inner_axis_name, where), inner_exchange
+    return cfg.inner_tx.update(updates, inner_exchange)
+
+
+def inner_exchange(inner_compressor: Any, inner_axis_name: Any, *, error_feedback: bool,
+                   inner_replicas: Optional[int], seed: int, factory: str) -> Optional[optax.GradientTransformation]:
+    """The compressed gradient mean over the fast axis, or ``None`` (exact mean)."""
+    if inner_compressor is None:
+        if inner_replicas is not None:
+            raise ValueError(f"{factory}: `inner_replicas` sizes the state of `inner_compressor`; "
+                             "pass inner_compressor=cj.quantize(...) with it, or drop it.")
+        return None
+    if not isinstance(inner_compressor, Compressor):
+        raise TypeError(
+            f"{factory}: `inner_compressor` must be None (exact group mean) or a commjax compressor "
+            f"such as cj.quantize(bits=8), got {inner_compressor!r}.")
+    if inner_axis_name is None:
+        raise ValueError(
+            f"{factory}: `inner_compressor` compresses the gradient mean over `inner_axis_name`, "
+            "which is None; pass inner_axis_name=<the fast mesh axis> or drop inner_compressor.")
+    return compressed_mean(inner_compressor, inner_axis_name, error_feedback=error_feedback,
+                           num_replicas=inner_replicas, seed=seed)
 
 
 def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
@@ -183,8 +217,8 @@ def _update(cfg: _Config, updates, state: DiLoCoState, params):
     guards.check_bound(cfg.axis_name, "diloco")
     if cfg.axis_name is not None:
         _check_vary(params, cfg.axis_name)
-    u_in, new_inner, local = _inner_step(cfg, _group_mean(updates, cfg.inner_axis_name, "diloco"),
-                                         state, params)
+    grads, inner_ex = _group(cfg, updates, state.inner_exchange, "diloco")
+    u_in, new_inner, local = _inner_step(cfg, grads, state, params)
 
     def no_sync(ops):
         anchor, outer_state, exchange = ops
@@ -201,6 +235,7 @@ def _update(cfg: _Config, updates, state: DiLoCoState, params):
     new_state = DiLoCoState(
         count=state.count + 1, anchor=anchor, outer_state=outer_state,
         inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner), exchange=exchange,
+        inner_exchange=inner_ex,
     )
     return out, new_state
 
@@ -212,6 +247,7 @@ def _init(cfg: _Config, params) -> DiLoCoState:
         outer_state=cfg.outer.init(params),
         inner_state=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], cfg.inner.init(params)),
         exchange=() if cfg.exchange_tx is None else cfg.exchange_tx.init(params),
+        inner_exchange=() if cfg.inner_tx is None else cfg.inner_tx.init(params),
     )
 
 
@@ -226,6 +262,8 @@ def diloco(
     num_replicas: Optional[int] = None,
     seed: int = 0,
     inner_axis_name: Any = None,
+    inner_compressor: Optional[Compressor] = None,
+    inner_replicas: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """DiLoCo as one optax transformation: ``sync_every - 1`` local steps, then a sync.
 
@@ -283,6 +321,13 @@ def diloco(
         all-reduce, ``2 (M-1)/M * 4 n`` bytes), the sync runs over ``axis_name`` only,
         and parameters and state are identical across it (lay the state out with
         ``cj.state_specs(state, axis_name)``).
+      inner_compressor: ``None`` (exact group mean) or a commjax compressor: the gradients
+        are averaged over ``inner_axis_name`` by ``cj.compressed_mean(inner_compressor,
+        inner_axis_name)`` (rounding seed ``seed + 1``), identical on every device of the
+        group, its residuals per device in ``state.inner_exchange`` (lay that field out
+        over both axes, as :func:`commjax.streaming_diloco` shows). Needs ``inner_axis_name``.
+      inner_replicas: devices per group the inner exchange's state is sized for when
+        ``init`` runs outside ``shard_map``.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DiLoCoState`.
@@ -303,10 +348,13 @@ def diloco(
     axis_name = validation.normalize_axis(axis_name)
     inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory="diloco")
     validation.check_axis_pair(axis_name, inner_axis_name, factory="diloco")
+    seed = validation.check_seed("seed", seed, factory="diloco")
     exchange_tx = None
     if compressor is not None:
         exchange_tx = compressed_mean(compressor, axis_name, error_feedback=error_feedback,
                                       num_replicas=num_replicas, seed=seed)
-    cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx, inner_axis_name)
+    inner_tx = inner_exchange(inner_compressor, inner_axis_name, error_feedback=error_feedback,
+                              inner_replicas=inner_replicas, seed=seed + 1, factory="diloco")
+    cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx, inner_axis_name, inner_tx)
     return optax.GradientTransformation(lambda params: _init(cfg, params),
                                         lambda u, s, params=None: _update(cfg, u, s, params))

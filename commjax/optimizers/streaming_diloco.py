@@ -3,8 +3,9 @@
 The parameters are split into ``P`` static *fragments* of about equal bytes on the wire
 (:func:`fragment_leaves`): slices of the leaves laid end to end, cut inside the largest
 leaves (along rows where the cut allows), each leaf whole where no cut falls in it.
-Every replica trains locally with the inner optimizer; fragment ``f`` is synced once every ``H = sync_every`` steps, at its own step,
-the ``P`` fragments spread evenly over the round (one sync every ``H / P`` steps). With
+Every replica trains locally with the inner optimizer; fragment ``f`` is synced once
+every ``H = sync_every`` steps, at its own step, the ``P`` fragments spread evenly over
+the round (one sync every ``H / P`` steps). With
 ``theta_f`` the fragment's anchor (shared by all replicas) and ``theta_{i,f}`` replica
 ``i``'s copy after the inner step of step ``t``::
 
@@ -48,8 +49,8 @@ from commjax.accounting import exact_mean_bytes
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.optimizers.diloco import (
-    _Config as _DiLoCoConfig, _all_finite, _check_vary, _group_mean, _inner_step, _pseudo_mean,
-    _vary_marked, landing_update,
+    _Config as _DiLoCoConfig, _all_finite, _check_vary, _group, _inner_step, _pseudo_mean,
+    _vary_marked, inner_exchange, landing_update,
 )
 from commjax.plan import COMPRESS, communication_plan, route_leaf
 from commjax.transform import compressed_mean
@@ -77,6 +78,10 @@ class StreamingDiLoCoState(NamedTuple):
       pending: with ``overlap > 0``, tuple of ``P`` lists of fp32 arrays (one per piece of
         the fragment, in its shape): the mean pseudo-gradient received at the fragment's last
         send, merged ``overlap`` steps later; replicated. ``()`` when ``overlap == 0``.
+      inner_exchange: with ``inner_compressor``, the :class:`commjax.CompressedMeanState`
+        of the gradient mean over ``inner_axis_name``; its residuals are **per device**
+        (they differ across the fast axis too: lay them out over both axes, see
+        :func:`streaming_diloco`). ``()`` without one.
     """
 
     count: jax.Array
@@ -85,6 +90,7 @@ class StreamingDiLoCoState(NamedTuple):
     inner_state: Any
     exchange: Any
     pending: Any
+    inner_exchange: Any = ()
 
 
 class StreamingDiLoCoBytes(NamedTuple):
@@ -95,8 +101,8 @@ class StreamingDiLoCoBytes(NamedTuple):
       peak: the largest step's bytes (the largest fragment's sync).
       per_inner_step: average over a round: ``sum(per_fragment) / sync_every``.
       full_sync: a DiLoCo sync of the whole parameter set with the same compressor.
-      inner_group: bytes per step of the exact gradient mean over ``inner_axis_name``
-        (``0`` without it).
+      inner_group: bytes per step of the gradient mean over ``inner_axis_name`` (exact,
+        or the ``inner_compressor``'s plan; ``0`` without it).
     """
 
     per_fragment: tuple
@@ -249,6 +255,7 @@ class _Config:
     exchanges: tuple  # P compressed_mean transforms, or P Nones for the exact mean
     compressor: Optional[Compressor]  # what the fragments are balanced for
     num_replicas: Optional[int]
+    inner_tx: Optional[optax.GradientTransformation] = None  # compressed mean over the fast axis
 
     def fragment(self, f: int) -> _DiLoCoConfig:
         """Fragment ``f`` seen as a DiLoCo (its exchange), for diloco's pieces."""
@@ -357,7 +364,8 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params, step: Op
     if cfg.axis_name is not None:
         _check_vary(params, cfg.axis_name)
     groups = fragment_leaves(params, cfg.fragments, cfg.compressor, n_rep)
-    u_in, new_inner, local = _inner_step(cfg, _group_mean(updates, cfg.inner_axis_name, _NAME), state, params)
+    grads, inner_exchange = _group(cfg, updates, state.inner_exchange, _NAME)
+    u_in, new_inner, local = _inner_step(cfg, grads, state, params)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     local = jax.tree_util.tree_leaves(local)
     at = state.count if step is None else validation.check_int("step", step, 0, factory=_NAME)
@@ -387,7 +395,7 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params, step: Op
     new_state = StreamingDiLoCoState(
         count=state.count + 1, anchor=jax.tree_util.tree_unflatten(treedef, anchor),
         outer_state=outer_state, inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner),
-        exchange=exchange, pending=pending)
+        exchange=exchange, pending=pending, inner_exchange=inner_exchange)
     return jax.tree_util.tree_unflatten(treedef, step), new_state
 
 
@@ -414,6 +422,7 @@ def _init(cfg: _Config, params) -> StreamingDiLoCoState:
         exchange=() if exact else tuple(tx.init(g) for tx, g in zip(cfg.exchanges, groups)),
         pending=() if cfg.overlap == 0 else tuple(
             [jnp.zeros(g.shape, jnp.float32) for g in group] for group in groups),
+        inner_exchange=() if cfg.inner_tx is None else cfg.inner_tx.init(params),
     )
 
 
@@ -425,19 +434,21 @@ def _sync_bytes(leaves: Sequence[Any], num_replicas: int, compressor: Optional[C
 
 def streaming_diloco_bytes(params: Any, num_replicas: int, *, sync_every: int, fragments: int = 1,
                            compressor: Optional[Compressor] = None,
-                           inner_replicas: int = 1) -> StreamingDiLoCoBytes:
+                           inner_replicas: int = 1,
+                           inner_compressor: Optional[Compressor] = None) -> StreamingDiLoCoBytes:
     """Bytes per device on the wire of :func:`streaming_diloco` for ``params``, without
     compiling: each fragment's sync is the exact fp32 mean of its ``n_f`` elements
     (``2 (N-1)/N * 4 n_f``) or :func:`commjax.communication_plan` of the compressor on its
-    pieces (:func:`fragment_leaves` for ``N = num_replicas``); ``inner_replicas > 1`` adds the exact gradient mean over the inner axis on
-    every step (``2 (M-1)/M * 4 n``). ``fragments=1`` gives :func:`commjax.diloco`'s bytes.
+    pieces (:func:`fragment_leaves` for ``N = num_replicas``); ``inner_replicas > 1`` adds
+    the gradient mean over the inner axis on every step (exact, ``2 (M-1)/M * 4 n``, or the
+    plan of ``inner_compressor``). ``fragments=1`` gives :func:`commjax.diloco`'s bytes.
     The compiled HLO carries exactly these bytes (tests/test_streaming_diloco.py)."""
     leaves = jax.tree_util.tree_leaves(params)
     per = tuple(_sync_bytes([jax.ShapeDtypeStruct(q.shape, jnp.result_type(leaves[q.leaf])) for q in idx],
                             num_replicas, compressor)
                 for idx in fragment_leaves(params, fragments, compressor, num_replicas))
     n = sum(int(np.prod(np.shape(l))) for l in leaves)
-    group = exact_mean_bytes(n, inner_replicas) if inner_replicas > 1 else 0.0
+    group = _sync_bytes(leaves, inner_replicas, inner_compressor) if inner_replicas > 1 else 0.0
     return StreamingDiLoCoBytes(
         per_fragment=per, peak=max(per) + group, per_inner_step=sum(per) / sync_every + group,
         full_sync=_sync_bytes(leaves, num_replicas, compressor), inner_group=group)
@@ -489,6 +500,8 @@ def streaming_diloco(
     error_feedback: bool = True,
     num_replicas: Optional[int] = None,
     seed: int = 0,
+    inner_compressor: Optional[Compressor] = None,
+    inner_replicas: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """Streaming DiLoCo as one optax transformation: fragments synced at staggered steps.
 
@@ -534,8 +547,18 @@ def streaming_diloco(
     exact mean of its ``n_f <= ceil(n/P)`` elements, ``2 (N-1)/N * 4 n_f``, or the
     compressor's bytes for its pieces; 0 on other steps; a peak of ``1/P`` of a DiLoCo sync
     (exact; compressed up to the granule of ``block * N`` elements and a NaN flag per
-    piece) and the same average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact
-    all-reduce of the gradients over the fast axis every step, ``2 (M-1)/M * 4 n``.
+    piece) and the same average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name``
+    adds an exact all-reduce of the gradients over the fast axis every step,
+    ``2 (M-1)/M * 4 n``, or with ``inner_compressor`` that compressor's bytes for the
+    gradients (:func:`streaming_diloco_bytes` with ``inner_compressor``). Its residuals
+    differ on every device, so lay ``state.inner_exchange`` out over both axes::
+
+        s = tx.init(params)
+        both = (axis_name, inner_axis_name)
+        state = cj.shard_state(s, mesh, axis_name)._replace(
+            inner_exchange=cj.shard_state(s.inner_exchange, mesh, both))
+        specs = cj.state_specs(state, axis_name)._replace(
+            inner_exchange=cj.state_specs(state.inner_exchange, both))
 
     Args:
       inner: the local optimizer (e.g. ``optax.adamw(1e-3)``); must not communicate.
@@ -554,10 +577,19 @@ def streaming_diloco(
         feedback per fragment; fragment ``f`` uses ``seed + f``).
       axis_name: mesh axis (or tuple) of the workers; ``None`` for one worker.
       inner_axis_name: optional fast mesh axis of data-parallel groups inside each worker:
-        gradients are averaged exactly over it every step, and the sync runs over
-        ``axis_name`` only. Parameters and state are then identical across this axis (lay
-        the state out with ``cj.state_specs(state, axis_name)``).
+        gradients are averaged exactly (or through ``inner_compressor``) over it every
+        step, and the sync runs over ``axis_name`` only. Parameters and state are then
+        identical across this axis (lay the state out with ``cj.state_specs(state,
+        axis_name)``; the inner exchange's residuals over both axes).
       error_feedback, num_replicas, seed: as in :func:`commjax.diloco`.
+      inner_compressor: ``None`` (exact group mean) or a commjax compressor: the gradients
+        are averaged over ``inner_axis_name`` every step by
+        ``cj.compressed_mean(inner_compressor, inner_axis_name)`` (error feedback as
+        ``error_feedback``, rounding seed ``seed + fragments``), whose mean is identical on
+        every device of the group; its residuals are per device, in
+        ``state.inner_exchange``. Needs ``inner_axis_name``.
+      inner_replicas: devices per group the inner exchange's state is sized for when
+        ``init`` runs outside ``shard_map`` (default: every device).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`.
@@ -575,8 +607,12 @@ def streaming_diloco(
     inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory=_NAME)
     validation.check_axis_pair(axis_name, inner_axis_name, factory=_NAME)
     validation.check_bool("error_feedback", error_feedback, factory=_NAME)
+    seed = validation.check_seed("seed", seed, factory=_NAME)
     exchanges = _exchanges(compressor, p, axis_name, error_feedback, num_replicas, seed)
-    cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges, compressor, num_replicas)
+    inner_tx = inner_exchange(inner_compressor, inner_axis_name, error_feedback=error_feedback,
+                              inner_replicas=inner_replicas, seed=seed + p, factory=_NAME)
+    cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges, compressor, num_replicas,
+                  inner_tx)
     return optax.GradientTransformationExtraArgs(
         lambda params: _init(cfg, params),
         lambda u, s, params=None, *, step=None, **extra: _update(cfg, u, s, params, step))
