@@ -12,7 +12,8 @@ number of inner steps with:
   (``P = 1, tau = 0`` is not rerun: it equals the ``diloco`` rows bit for bit, as
   tests/test_streaming_diloco.py checks); ``sd_P4_t0_mix_*``: 4 fragments, no overlap, mix
   0.5 (separates the mix from the overlap);
-* ``demo``: :func:`commjax.decoupled_momentum` (DeMo).
+* ``demo``: :func:`commjax.decoupled_momentum` (DeMo), with ``--demo-*`` settings recorded
+  in its row (``benchmarks/demo_tuning.py`` chose the defaults).
 
 Bytes per device are read from each method's compiled step (ring convention): the
 collectives every step runs, plus each conditional branch once per round of ``H`` steps
@@ -89,7 +90,8 @@ def methods(args) -> dict:
             lambda comp=comp: cj.streaming_diloco(optax.adam(lr), _nesterov(), sync_every=h, fragments=4,
                                                   mix=0.5, compressor=comp), "diloco", 4, comp)
     out["demo"] = (lambda: cj.decoupled_momentum(args.demo_lr, beta=args.demo_beta, chunk_size=args.demo_chunk,
-                                                 top_k=args.demo_top_k, axis_name=AXIS), "dp", 1, None)
+                                                 top_k=args.demo_top_k, axis_name=AXIS,
+                                                 values_dtype=_VALUES[args.demo_values]), "dp", 1, None)
     return out
 
 
@@ -134,7 +136,8 @@ def plan_bytes(name, kind, frags, comp, params, args) -> float:
         return cj.streaming_diloco_bytes(params, N, sync_every=args.sync_every, fragments=frags,
                                          compressor=comp).per_inner_step
     if name == "demo":
-        return cj.decoupled_momentum_wire_bytes(params, N, chunk_size=args.demo_chunk, top_k=args.demo_top_k)
+        return cj.decoupled_momentum_wire_bytes(params, N, chunk_size=args.demo_chunk, top_k=args.demo_top_k,
+                                                values_dtype=_VALUES[args.demo_values])
     return cj.exact_mean_bytes(_charlm.num_params(params), N)
 
 
@@ -238,8 +241,12 @@ def plot(rows: dict, path: str, title: str) -> None:
     print(f"wrote {path}")
 
 
-_SETTINGS = ("steps", "sync_every", "lr", "demo_lr", "demo_beta", "demo_chunk", "demo_top_k", "batch_size",
-             "seq_len", "d_model", "layers", "eval_every", "corpus_chars", "seed", "block_size")
+_SETTINGS = ("steps", "sync_every", "lr", "batch_size", "seq_len", "d_model", "layers", "eval_every",
+             "corpus_chars", "seed", "block_size")
+# Only the demo row depends on these: each demo row records its own, so --append can
+# rerun that row with other DeMo settings without retraining every other method.
+_DEMO_SETTINGS = ("demo_lr", "demo_beta", "demo_chunk", "demo_top_k", "demo_values")
+_VALUES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def rebytes(rows, chosen, all_methods, mesh, graphdef, params, corpus, args) -> dict:
@@ -278,10 +285,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-every", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--block-size", type=int, default=512, help="block of the 4-bit outer gradients (one fp32 scale each)")
-    ap.add_argument("--demo-lr", type=float, default=1e-3)
+    # DeMo's defaults: the best of benchmarks/demo_tuning.py at the bytes of 32 fp32 coefficients
+    # per 64 x 64 tile (48 bf16 ones cost the same: 4 bytes each with the index, not 6).
+    ap.add_argument("--demo-lr", type=float, default=2e-3)
     ap.add_argument("--demo-beta", type=float, default=0.999)
     ap.add_argument("--demo-chunk", type=int, default=64)
-    ap.add_argument("--demo-top-k", type=int, default=32)
+    ap.add_argument("--demo-top-k", type=int, default=48)
+    ap.add_argument("--demo-values", choices=sorted(_VALUES), default="bf16", help="DeMo's coefficient values on the wire")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per worker and step")
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--d-model", type=int, default=64)
@@ -316,6 +326,8 @@ def main(argv=None) -> int:
         make, kind, frags, comp = all_methods[name]
         rows[name] = train(name, make, mesh, graphdef, params, corpus, held_out, args)
         rows[name]["plan_bytes"] = plan_bytes(name, kind, frags, comp, params, args)
+        if name == "demo":
+            rows[name]["settings"] = {k: getattr(args, k) for k in _DEMO_SETTINGS}
         print(f"  {name}: held-out {rows[name]['final_eval']:.4f}, "
               f"{rows[name]['bytes']['per_inner_step']:,.0f} B/inner step, {rows[name]['seconds']:.0f} s", flush=True)
     print()
