@@ -1,8 +1,8 @@
 """Every compressor through ``compressed_mean`` across real processes (jax.distributed).
 
-One launch of 4 processes x 2 CPU devices (gloo over loopback TCP; the two-process
-layouts are covered by the zero, streaming DiLoCo and DeMo multi-process tests), running ``tests/mp_scripts/train_compressors.py``, which loops over all compressors
-and trains the non-i.i.d. task of :mod:`commjax.testing` for a few steps with
+One launch of 4 processes x 2 CPU devices (gloo over loopback TCP; two-process layouts
+are covered by the zero, streaming DiLoCo and DeMo multi-process tests), running
+``tests/mp_scripts/train_compressors.py``, which loops over all compressors and trains the non-i.i.d. task of :mod:`commjax.testing` for a few steps with
 parameters kept per replica. Checked for each compressor:
 
 * every replica on every process holds bit-identical parameters (no replica drift
