@@ -365,15 +365,16 @@ def check_compressor(compressor: Compressor, *, num_replicas: Optional[int] = No
     valid = ("auto",) if compressor.has_exchange else ("auto",) + tuple(valid_reducers(compressor))
     for r in reducers or valid:
         _check(r in valid, "reducers", compressor, f"{r!r} cannot carry it; valid: {valid}")
-        tx = optax.chain(compressed_mean(compressor, "data", reducer=r, min_compress_size=256),
-                         optax.sgd(0.1))
+        # num_replicas sizes the two-phase server residual when init runs outside shard_map.
+        tx = optax.chain(compressed_mean(compressor, "data", reducer=r, min_compress_size=256,
+                                         num_replicas=n_rep), optax.sgd(0.1))
         result = train(tx, task, steps)
         _check(result.replicas_identical, f"replicas ({r})", compressor,
                "replicas hold different parameters after the exchange")
         _check(bool(np.isfinite(result.final_loss)), f"loss ({r})", compressor, "non-finite loss")
         shapes = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), task.params)
-        rep = update_collectives(compressed_mean(compressor, "data", reducer=r, min_compress_size=256),
-                                 shapes, n_rep)
+        rep = update_collectives(compressed_mean(compressor, "data", reducer=r, min_compress_size=256,
+                                                 num_replicas=n_rep), shapes, n_rep)
         # A fallback's collectives sit in a conditional branch taken only on overflow.
         hlo = sum(c.ring_bytes for c in rep if not c.in_conditional)
         plan = communication_plan(compressor, shapes, n_rep, reducer=r, min_compress_size=256)

@@ -69,6 +69,13 @@ def test_custom_compressor_page_passes_check_compressor():
     assert report["reducers"] == ["allgather"] and report["hlo_bytes"]["allgather"] > 0
 
 
+def test_check_compressor_on_fewer_replicas_than_devices():
+    """The two-phase server residual is sized for the replicas checked (4), not for every
+    device of the machine (8): a state sized for 8 was refused at the first step."""
+    report = check_compressor(cj.quantize(8), num_replicas=4, steps=2, reducers=["two_phase"])
+    assert report["reducers"] == ["two_phase"] and report["hlo_bytes"]["two_phase"] > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _Lying(BlockCompressor):
     """Encodes 2 words per block but claims 1: its byte count would be wrong."""
