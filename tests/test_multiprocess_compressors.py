@@ -2,8 +2,9 @@
 
 One launch of 4 processes x 2 CPU devices (gloo over loopback TCP; two-process layouts
 are covered by the zero, streaming DiLoCo and DeMo multi-process tests), running
-``tests/mp_scripts/train_compressors.py``, which loops over all compressors and trains the non-i.i.d. task of :mod:`commjax.testing` for a few steps with
-parameters kept per replica. Checked for each compressor:
+``tests/mp_scripts/train_compressors.py``, which loops over all compressors and trains
+the non-i.i.d. task of :mod:`commjax.testing` for a few steps with parameters kept per
+replica. Checked for each compressor:
 
 * every replica on every process holds bit-identical parameters (no replica drift
   across process boundaries: shared keys, replica-ordered sums, uint32 payloads);
