@@ -40,6 +40,15 @@ def compressors():
     return out
 
 
+def _bits_per_element(comp):
+    """Payload bits per element, or None for a codec whose payload is not a word count
+    (random-k's summed values, PowerSGD's factors: their bytes are in the plan)."""
+    try:
+        return comp.bits_per_element()
+    except NotImplementedError:
+        return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", default="2,8")
@@ -63,7 +72,7 @@ def main(argv=None):
                        "auto": reducer == "auto", "analytic_bytes": plan.bytes_per_step,
                        "hlo_bytes": rep.total_ring_bytes, "exact_hlo_bytes": exact,
                        "ratio": exact / rep.total_ring_bytes, "dtypes": sorted(rep.dtypes),
-                       "bits_per_element": getattr(comp, "bits_per_element", lambda: None)()}
+                       "bits_per_element": _bits_per_element(comp)}
                 rows.append(row)
                 tag = f"{row['reducer']}{'*' if reducer == 'auto' else ''}"
                 print(f"{name:14s} {n:2d} {tag:>10s} {plan.bytes_per_step:12,.0f} "
