@@ -22,8 +22,10 @@ collective fails a test instead of hanging it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,19 @@ RESULT_PREFIX = "RESULT "
 DEFAULT_TIMEOUT = 60.0
 
 __all__ = ["MP_SCRIPTS", "MultiProcessRun", "run_workers", "parse_results", "script_path",
-           "leftover_processes"]
+           "leftover_processes", "load_script"]
+
+
+def load_script(name: str):
+    """The worker script ``mp_scripts/<name>.py`` as a module, for the in-process
+    reference runs of a test (its functions import their siblings, such as ``_worker``
+    and ``train_compressors``, so ``mp_scripts`` joins ``sys.path``)."""
+    if str(MP_SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(MP_SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"_mp_{name}", MP_SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def script_path(script: str | os.PathLike[str]) -> Path:

@@ -8,8 +8,6 @@ The worker is ``tests/mp_scripts/demo_train.py``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -18,20 +16,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commjax import _compat
-from multiprocess import MP_SCRIPTS, leftover_processes, run_workers
+from multiprocess import leftover_processes, load_script, run_workers
 
-sys.path.insert(0, str(MP_SCRIPTS))
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_mp_{name}", MP_SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load("demo_train")
-tasks = _load("train_compressors")
+worker = load_script("demo_train")
+tasks = load_script("train_compressors")
 
 
 @pytest.mark.multiprocess

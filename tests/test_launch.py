@@ -9,7 +9,6 @@ interpreter-only processes for the CLI.
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import inspect
 import os
 import re
@@ -25,18 +24,11 @@ import pytest
 
 from commjax import distributed as cd
 from commjax import launch as cl
-from multiprocess import MP_SCRIPTS, leftover_processes, run_workers
+from multiprocess import MP_SCRIPTS, leftover_processes, load_script, run_workers
 
 REPO = Path(__file__).resolve().parent.parent
 #: Bound on how long a job with a dead process may take to end, launcher or not.
 DEAD_PROCESS_BOUND_S = 60.0
-
-
-def _load_worker_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"_mp_{name}", MP_SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _ipv4_of(interface: str) -> str | None:
@@ -69,7 +61,7 @@ def _pick_interface() -> tuple[str, str]:
     ids=["2x2-interface", "4x2"],
 )
 def test_collectives_across_processes(processes, devices, pin_interface):
-    worker = _load_worker_module("collectives")
+    worker = load_script("collectives")
     interface, ip = _pick_interface() if pin_interface else (None, None)
     run = run_workers("collectives.py", processes, devices, interface=interface, check=True)
     g = processes * devices
@@ -288,7 +280,7 @@ def test_helpers_never_use_psum_scatter():
         call = re.search(r"\b(psum_scatter|reduce_scatter)\s*\(", text)
         assert call is None, f"{f} calls {call.group(1)}"
 
-    worker = _load_worker_module("collectives")
+    worker = load_script("collectives")
     mesh = cd.global_mesh("data")
     g = mesh.devices.size
     fns = worker.build(mesh)

@@ -19,7 +19,6 @@ replica. Checked for each compressor:
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 
 from commjax.testing import train
-from multiprocess import MP_SCRIPTS, leftover_processes, run_workers
+from multiprocess import leftover_processes, load_script, run_workers
 
 #: Bound on one launch (each compiles ~10 steps in every process, on 2 shared cores).
 LAUNCH_TIMEOUT_S = 240.0
@@ -39,15 +38,7 @@ WORKER_XLA_FLAGS = "--xla_backend_optimization_level=0"
 REFERENCE_CHECKED = ("identity", "powersgd")
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("_mp_train_compressors",
-                                                  MP_SCRIPTS / "train_compressors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _worker_module()
+worker = load_script("train_compressors")
 
 
 def _flat(params) -> np.ndarray:

@@ -9,28 +9,16 @@ one datacenter each) whose 4 devices form an exact data-parallel group.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from multiprocess import MP_SCRIPTS, leftover_processes, run_workers
+from multiprocess import leftover_processes, load_script, run_workers
 
-sys.path.insert(0, str(MP_SCRIPTS))
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_mp_{name}", MP_SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load("streaming_diloco_train")
-tasks = _load("train_compressors")
+worker = load_script("streaming_diloco_train")
+tasks = load_script("train_compressors")
 
 
 @pytest.mark.multiprocess
