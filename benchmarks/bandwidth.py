@@ -335,7 +335,6 @@ def jax_worker(args: argparse.Namespace) -> None:
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -156,7 +156,7 @@ def methods(steps: int) -> list[Method]:
         Method(f"diloco H={H}: sgd 0.3 / nesterov 0.7 m0.9, 4-bit sync",
                diloco(optax.sgd(0.3), _nesterov(), sync_every=H, compressor=quantize(4)),
                ref, "diloco", adam_ref="adam lr=0.01, exact mean"),
-        Method(f"diloco H=1: sgd 0.3 / sgd 1.0 (= data-parallel sgd)",
+        Method("diloco H=1: sgd 0.3 / sgd 1.0 (= data-parallel sgd)",
                diloco(optax.sgd(0.3), optax.sgd(1.0), sync_every=1), ref, "diloco"),
     ]
     for lr in (1e-2, 3e-3):

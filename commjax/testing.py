@@ -24,7 +24,8 @@ from commjax import _compat
 from commjax.accounting import collective_bytes
 from commjax.collectives import valid_reducers
 from commjax.compressors.base import BlockCompressor, Compressor, Segment
-from commjax.compressors.exact import cast, identity
+from commjax.compressors.cast16 import cast
+from commjax.compressors.exact import identity
 from commjax.compressors.quantize import qsgd, quantize, terngrad
 from commjax.compressors.sign import sign
 from commjax.guards import AxisNotBoundError

@@ -20,7 +20,6 @@ FSDP (ZeRO-3) pattern, the part worth reading::
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable
 

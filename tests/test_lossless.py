@@ -4,7 +4,8 @@ Checked: every bfloat16 pattern comes back bit for bit through the collectives (
 patterns, all exponents distinct, NaN payloads, subnormals, -0, +-inf), the overflow
 fallback taken on every replica when one replica's escapes overflow (all_gather,
 reduce_scatter, the two-phase all_reduce), float32 exact for every pattern, training
-equal to cast(bf16) bit for bit,
+equal to cast(bf16) bit for bit (all-gather and, as cast(bf16, wire="lossless"),
+two-phase),
 HLO bytes (<= 0.8x of cast(bf16) through the same reducer), interpret kernel ==
 reference, bad input.
 """
@@ -161,6 +162,25 @@ def test_training_equals_cast_bf16_bit_for_bit():
     np.testing.assert_array_equal(runs["lossless"].losses, runs["cast"].losses)
 
 
+def test_cast_lossless_wire_is_cast_bf16_in_fewer_bytes():
+    """cast(bf16, wire="lossless") is the lossless code, and through the two-phase reducer
+    (all-to-all, fp32 owner sums, re-encoding, all-gather) trains as raw cast(bf16) does,
+    bit for bit, while its plan sends at most 0.8x of raw's bytes."""
+    wired = cj.cast(jnp.bfloat16, wire="lossless")
+    assert wired == CODEC
+    task = noniid_classification(N, examples_per_replica=16, dim=16, hidden=32, seed=3)
+    runs = {name: train(optax.chain(cj.compressed_mean(codec, AX, reducer="two_phase",
+                                                       min_compress_size=256), optax.adam(1e-2)),
+                        task, 20, log_every=10)
+            for name, codec in (("lossless", wired), ("raw", CAST))}
+    assert same_bits(runs["lossless"].replica_params, runs["raw"].replica_params)
+    np.testing.assert_array_equal(runs["lossless"].losses, runs["raw"].losses)
+    params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+    ratio = (cj.communication_plan(wired, params, N, reducer="two_phase").compressed_bytes
+             / cj.communication_plan(CAST, params, N, reducer="two_phase").compressed_bytes)
+    assert ratio <= 0.8
+
+
 def test_hlo_bytes_below_cast_and_fallback_in_conditional():
     """All-gather reducer, 8 replicas: the steady collectives send the plan's bytes, 0.77x
     of cast(bf16)'s; the fallback's all-gather (cast's bytes) sits in the conditional.
@@ -198,3 +218,9 @@ def test_bad_input_names_the_argument():
         cj.lossless(escapes=0)
     with pytest.raises(ValueError, match="allgather"):
         cj.compressed_mean(CODEC, AX, reducer="allreduce")
+    with pytest.raises(ValueError, match="`wire`"):
+        cj.cast(jnp.bfloat16, wire="packed")
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        cj.cast(jnp.float16, wire="lossless")
+    with pytest.raises(ValueError, match="`kernels`"):
+        cj.cast(jnp.bfloat16, kernels="interpret")

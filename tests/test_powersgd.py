@@ -17,7 +17,7 @@ import commjax as cj
 from commjax import _compat
 from commjax.compressors.base import Segment
 from commjax.compressors.powersgd import matrix_shape, orthogonalize, powersgd
-from commjax.testing import flat_residual, same_bits
+from commjax.testing import flat_residual
 
 N = 8
 AXIS = "data"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 from commjax.testing import flat_residual
 

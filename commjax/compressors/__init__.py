@@ -1,7 +1,8 @@
 """Compressors: immutable codecs between float vectors and uint32 wire words."""
 
 from commjax.compressors.base import BlockCompressor, Compressor, Segment
-from commjax.compressors.exact import Cast, Identity, cast, identity
+from commjax.compressors.exact import Identity, identity
+from commjax.compressors.cast16 import Cast, cast
 from commjax.compressors.quantize import QSGD, Quantize, TernGrad, qsgd, quantize, terngrad
 from commjax.compressors.powersgd import PowerSGD, PowerSGDState, powersgd
 from commjax.compressors.sign import Sign, sign

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,8 @@ payloads, +-inf, subnormals, -0) decodes to itself: :func:`bf16_bits` and
 :func:`bf16_value` convert with integer arithmetic, since XLA's conversions quiet NaN
 payloads. So ``decode(encode(x))`` is ``cast(bf16)``'s decode bit for bit (NaN aside),
 and training with ``lossless()`` equals training with ``cast(jnp.bfloat16)`` through the
-same reducer.
+same reducer. It is also ``cast(jnp.bfloat16, wire="lossless")``: the wire format of
+:func:`commjax.cast`.
 
 Escape overflow: when some block of some replica has more far-below exponents than
 slots, its payload cannot be decoded. The reducers read each payload's overflow bits

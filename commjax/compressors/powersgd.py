@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, ClassVar, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, ClassVar, Mapping, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp

@@ -46,7 +46,8 @@ import numpy as np
 from jax import lax
 
 from commjax.compressors.base import Compressor, Segment, check_choice
-from commjax.compressors.exact import cast, identity
+from commjax.compressors.cast16 import cast
+from commjax.compressors.exact import identity
 from commjax.validation import check_bool
 
 __all__ = [

@@ -9,7 +9,7 @@ for one and, if there is none, reduces the codec's payload with a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from commjax.compressors.base import Compressor
 from commjax.compressors.powersgd import PowerSGD

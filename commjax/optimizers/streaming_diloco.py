@@ -447,7 +447,6 @@ def streaming_diloco_bytes(params: Any, num_replicas: int, *, sync_every: int, f
     per = tuple(_sync_bytes([jax.ShapeDtypeStruct(q.shape, jnp.result_type(leaves[q.leaf])) for q in idx],
                             num_replicas, compressor)
                 for idx in fragment_leaves(params, fragments, compressor, num_replicas))
-    n = sum(int(np.prod(np.shape(l))) for l in leaves)
     group = _sync_bytes(leaves, inner_replicas, inner_compressor) if inner_replicas > 1 else 0.0
     return StreamingDiLoCoBytes(
         per_fragment=per, peak=max(per) + group, per_inner_step=sum(per) / sync_every + group,
