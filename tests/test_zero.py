@@ -105,6 +105,9 @@ CODECS = {
     "qwd4_hadamard": dict(grad_codec=cj.hadamard(q(4)), weight_codec=q(4, False)),
     "cast_sign_ef": dict(grad_codec=cj.sign(block_size=64), weight_codec=cj.cast(),
                          grad_error_feedback=True),
+    # FP8 both ways: e5m2 gradients (stochastic), e4m3 weight differences (nearest)
+    "fp8": dict(grad_codec=cj.fp8("e5m2", block_size=64, stochastic=True),
+                weight_codec=cj.fp8(block_size=64)),
 }
 NO_VMA = {"int8_plain", "cast_sign_ef"}  # also run under shard_map(check_vma=False)
 
