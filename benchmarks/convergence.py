@@ -129,6 +129,11 @@ def main(argv=None):
             # Collectives in a conditional branch (cj.lossless's fallback) run only on the
             # steps where a payload overflows: the steady bytes per step leave them out.
             hlo_bytes = sum(c.ring_bytes for c in rep if not c.in_conditional)
+            if not hlo_bytes:
+                # Optimizers that switch phases under lax.cond (1-bit Adam's warm-up and
+                # compressed steps, DiLoCo's sync every H steps) send everything from
+                # inside a branch: their row is the sum over the branches, as before.
+                hlo_bytes = sum(c.ring_bytes for c in rep)
         except Exception as e:  # noqa: BLE001 - reported, not hidden
             hlo_bytes = float("nan")
             print(f"  ({name}: HLO accounting failed: {e})", file=sys.stderr)
