@@ -78,15 +78,17 @@ def check_ratio(name: str, value: Any, *, factory: str) -> float:
     return check_float(name, value, 0.0, 1.0, factory=factory, lo_open=True)
 
 
-def check_dtype(name: str, value: Any, allowed: Sequence[str], *, factory: str) -> Any:
-    """A dtype whose name is in ``allowed`` (e.g. ``("float32", "bfloat16")``)."""
+def check_dtype(name: str, value: Any, allowed: Sequence[str], *, factory: str, hint: str = "") -> Any:
+    """A dtype whose name is in ``allowed`` (e.g. ``("float32", "bfloat16")``); ``hint``
+    is appended to the error (where to go instead)."""
     try:
         dname = jnp.dtype(value).name
     except TypeError:
         dname = None
     if dname not in allowed:
-        raise ValueError(
-            f"{factory}: `{name}` must be one of {', '.join('jnp.' + a for a in allowed)}; got {value!r}.")
+        names = ["jnp." + a for a in allowed]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise ValueError(f"{factory}: `{name}` must be {listed}, got {value!r}.{' ' + hint if hint else ''}")
     return jnp.dtype(value)
 
 

@@ -11,6 +11,7 @@ from jax import lax
 
 from commjax.compressors.base import BlockCompressor
 from commjax.compressors.lossless import Lossless, lossless
+from commjax.validation import check_dtype
 
 __all__ = ["Cast", "cast"]
 
@@ -94,15 +95,8 @@ def cast(dtype: Any = jnp.bfloat16, *, wire: str = "raw",
         tx = optax.chain(cj.compressed_mean(cj.cast(jnp.bfloat16, wire="lossless"), "data"),
                          optax.sgd(0.1))
     """
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = None
-    if name not in _CAST_DTYPES:
-        raise ValueError(
-            f"cast: `dtype` must be jnp.bfloat16 or jnp.float16, got {dtype!r}. "
-            "For fewer bits use cj.quantize(bits=8|4|2)."
-        )
+    name = check_dtype("dtype", dtype, tuple(_CAST_DTYPES), factory="cast",
+                       hint="For fewer bits use cj.quantize(bits=8|4|2).").name
     if wire not in ("raw", "lossless"):
         raise ValueError(f"cast: `wire` must be 'raw' or 'lossless', got {wire!r}.")
     if wire == "lossless":

@@ -48,7 +48,7 @@ from commjax import kernels as _kernels
 from commjax.compressors.base import BlockCompressor, Compressor, check_positive_int
 from commjax.compressors.exact import Identity
 from commjax.kernels.lossless import header_column, lossless_decode, lossless_encode, lossless_words
-from commjax.validation import check_int
+from commjax.validation import check_dtype, check_int
 
 __all__ = ["Lossless", "RawBf16", "lossless", "bf16_bits", "bf16_value"]
 
@@ -218,12 +218,7 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
       kernels: the :mod:`commjax.kernels` implementation of the encoder, as for
         :func:`commjax.quantize`; the bits do not depend on it.
     """
-    try:
-        dtype_name = jnp.dtype(dtype).name
-    except TypeError:
-        dtype_name = None
-    if dtype_name not in ("bfloat16", "float32"):
-        raise ValueError(f"lossless: `dtype` must be jnp.bfloat16 or jnp.float32, got {dtype!r}.")
+    dtype_name = check_dtype("dtype", dtype, ("bfloat16", "float32"), factory="lossless").name
     check_positive_int("block_size", block_size, factory="lossless")
     if block_size % 32 or block_size > 256:
         raise ValueError(f"lossless: `block_size` must be a multiple of 32 in [32, 256], got "

@@ -48,7 +48,7 @@ from jax import lax
 from commjax.compressors.base import Compressor, Segment, check_choice
 from commjax.compressors.cast16 import cast
 from commjax.compressors.exact import identity
-from commjax.validation import check_bool
+from commjax.validation import check_bool, check_dtype
 
 __all__ = [
     "TopK",
@@ -79,15 +79,7 @@ def _check_ratio(ratio: Any, *, factory: str, name: str = "ratio") -> float:
 
 
 def _value_dtype_name(dtype: Any, *, factory: str) -> str:
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = repr(dtype)
-    if name not in _VALUE_DTYPES:
-        raise ValueError(
-            f"{factory}: `values_dtype` must be jnp.float32 or jnp.bfloat16, got {dtype!r}."
-        )
-    return name
+    return check_dtype("values_dtype", dtype, tuple(_VALUE_DTYPES), factory=factory).name
 
 
 def keep_count(ratio: float, size: int) -> int:
