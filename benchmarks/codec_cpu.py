@@ -36,28 +36,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import commjax as cj  # noqa: E402
 from _results import write_results  # noqa: E402
 from bandwidth import MODEL, SGD, init_params, make_batch  # noqa: E402
 from commjax.collectives import decode_sum  # noqa: E402
+from kernels import timed  # noqa: E402
 
 CODECS = {"int8": lambda: cj.quantize(bits=8), "int4": lambda: cj.quantize(bits=4),
           "int8_nearest": lambda: cj.quantize(bits=8, stochastic=False), "sign": lambda: cj.sign()}
 
 
 def median_ms(fn, *args, reps: int) -> float:
-    """Median wall time of the jitted ``fn(*args)`` after one warm-up call."""
-    fn = jax.jit(fn)
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    """Median milliseconds of the jitted ``fn(*args)`` after one warm-up call."""
+    return 1e3 * timed(jax.jit(fn), args, repeats=reps, warmup=1)
 
 
 def floor_step_ms(reps: int) -> float:

@@ -124,15 +124,21 @@ def run(args):
     return rows, hlo
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--configs", default="4:3,4:7,5:3", help="delta_bits:escapes, comma-separated")
+def char_lm_parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options of a char-LM run (also benchmarks/lossless_training.py's)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    return ap
+
+
+def main(argv=None):
+    ap = char_lm_parser(__doc__.split("\n")[0], steps=40)
+    ap.add_argument("--configs", default="4:3,4:7,5:3", help="delta_bits:escapes, comma-separated")
     args = ap.parse_args(argv)
     t0 = time.time()
     rows, hlo = run(args)

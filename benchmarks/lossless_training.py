@@ -25,7 +25,6 @@ Writes ``lossless_training.json``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import commjax as cj  # noqa: E402
 from _results import write_results  # noqa: E402
 from commjax import _compat  # noqa: E402
 from commjax.compressors import Lossless  # noqa: E402
-from lossless_bits import compressed_leaves, make_stats  # noqa: E402
+from lossless_bits import char_lm_parser, compressed_leaves, make_stats  # noqa: E402
 
 N = 8
 AXIS = "data"
@@ -81,7 +80,9 @@ def train(codec, reducer: str, args, graphdef, params, corpus):
     return np.stack(losses), jax.tree_util.tree_map(np.asarray, state), overflow_steps
 
 
-def same_bits(a, b) -> bool:
+def same_bytes(a, b) -> bool:
+    """Byte-for-byte equal pytrees (stricter than commjax.testing.same_bits, which compares
+    values: there -0 equals +0 and any NaN any other)."""
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     return len(la) == len(lb) and all(
         x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(la, lb))
@@ -104,7 +105,7 @@ def run(args) -> list[dict]:
             row = {"reducer": reducer, "format": name, "codec": repr(codec), "steps": args.steps,
                    "losses_equal_every_step": bool(first_diff.size == 0),
                    "first_differing_step": int(first_diff[0]) if first_diff.size else None,
-                   "state_equal_at_end": same_bits(state, base_state),
+                   "state_equal_at_end": same_bytes(state, base_state),
                    "final_mean_loss": float(losses[-1].mean()),
                    "gradient_overflow_steps": overflow_steps,
                    "bytes_per_step": plan.bytes_per_step,
@@ -120,14 +121,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args(argv)
+    args = char_lm_parser(__doc__.split("\n")[0], steps=200).parse_args(argv)
     t0 = time.time()
     rows = run(args)
     failed = [r for r in rows if not (r["losses_equal_every_step"] and r["state_equal_at_end"])]
