@@ -37,8 +37,8 @@ RESULT_PREFIX = "RESULT "
 #: Default bound for one multi-process run (each JAX process needs a few seconds).
 DEFAULT_TIMEOUT = 60.0
 
-__all__ = ["MP_SCRIPTS", "MultiProcessRun", "run_workers", "parse_results", "script_path",
-           "leftover_processes", "load_script"]
+__all__ = ["MP_SCRIPTS", "MultiProcessRun", "run_workers", "run_on_task", "parse_results",
+           "script_path", "leftover_processes", "load_script"]
 
 
 def load_script(name: str):
@@ -168,3 +168,20 @@ def run_workers(
     )
     run = MultiProcessRun(result, [parse_results(out) for out in result.stdout])
     return run.check() if check else run
+
+
+def run_on_task(script: str, tmp_path: Path, processes: int = 2, devices: int = 4, *,
+                timeout: float = 240.0) -> tuple[list, Any]:
+    """Run ``script`` (taking ``--task FILE``) on ``processes`` x ``devices`` with the
+    non-i.i.d. task of ``mp_scripts/train_compressors.py`` for that many replicas, written
+    to ``tmp_path``; LLVM's optimisation passes off in the workers (their compile time).
+    Checks that every process exited 0, none is left behind and the results come in
+    process order. Returns ``(results, task)``, the task as the workers read it."""
+    tasks = load_script("train_compressors")
+    task_file = tmp_path / "task.npz"
+    tasks.save_task(tasks.make_task(processes * devices), str(task_file))
+    run = run_workers(script, processes, devices, args=["--task", str(task_file)], timeout=timeout,
+                      env={"XLA_FLAGS": "--xla_backend_optimization_level=0"}, check=True, stream=False)
+    assert not leftover_processes(run.launch.pids)
+    assert [r["process_id"] for r in run.results] == list(range(processes))
+    return run.results, tasks.load_task(str(task_file))

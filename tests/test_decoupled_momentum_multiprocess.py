@@ -16,29 +16,19 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commjax import _compat
-from multiprocess import leftover_processes, load_script, run_workers
+from multiprocess import load_script, run_on_task
 
 worker = load_script("demo_train")
-tasks = load_script("train_compressors")
 
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one(tmp_path: Path):
     processes, devices = 2, 4
     g = processes * devices
-    task = tasks.make_task(g)
-    task_file = tmp_path / "task.npz"
-    tasks.save_task(task, str(task_file))
-    run = run_workers("demo_train.py", processes, devices, args=["--task", str(task_file)],
-                      timeout=240.0, env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},
-                      check=True, stream=False)
-    assert not leftover_processes(run.launch.pids)
-    results = run.results
-    assert [r["process_id"] for r in results] == list(range(processes))
+    results, task = run_on_task("demo_train.py", tmp_path, processes, devices)
     digests = [d for r in results for d in r["digests"]]
     assert len(digests) == g and len(set(digests)) == 1, "replicas differ across processes"
 
-    task = tasks.load_task(str(task_file))
     mesh = _compat.make_mesh((g,), (worker.AXIS,))
     sharding = NamedSharding(mesh, P(worker.AXIS))
     params = worker.train(mesh, task, worker.STEPS, lambda a: jax.device_put(a, sharding))

@@ -15,25 +15,16 @@ import jax
 import numpy as np
 import pytest
 
-from multiprocess import leftover_processes, load_script, run_workers
+from multiprocess import load_script, run_on_task
 
 worker = load_script("streaming_diloco_train")
-tasks = load_script("train_compressors")
 
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one(tmp_path: Path):
     processes, devices = 2, 4
     g = processes * devices
-    task_file = tmp_path / "task.npz"
-    tasks.save_task(tasks.make_task(g), str(task_file))
-    run = run_workers("streaming_diloco_train.py", processes, devices, args=["--task", str(task_file)],
-                      timeout=240.0, env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},
-                      check=True, stream=False)
-    assert not leftover_processes(run.launch.pids)
-    results = run.results
-    assert [r["process_id"] for r in results] == list(range(processes))
-    task = tasks.load_task(str(task_file))
+    results, task = run_on_task("streaming_diloco_train.py", tmp_path, processes, devices)
     p0 = worker.flat(task.params)
     for name, c in worker.configs().items():
         digests = [d for r in results for d in r["configs"][name]["anchor_digests"]]

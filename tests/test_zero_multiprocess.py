@@ -15,26 +15,16 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from multiprocess import leftover_processes, load_script, run_workers
+from multiprocess import load_script, run_on_task
 
 worker = load_script("zero_train")
-tasks = load_script("train_compressors")
 
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one(tmp_path: Path):
     processes, devices = 2, 4
     g = processes * devices
-    task = tasks.make_task(g)
-    task_file = tmp_path / "task.npz"
-    tasks.save_task(task, str(task_file))
-    run = run_workers("zero_train.py", processes, devices, args=["--task", str(task_file)],
-                      timeout=240.0, env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},
-                      check=True, stream=False)
-    assert not leftover_processes(run.launch.pids)
-    results = run.results
-    assert [r["process_id"] for r in results] == list(range(processes))
-    task = tasks.load_task(str(task_file))  # the numbers the workers read
+    results, task = run_on_task("zero_train.py", tmp_path, processes, devices)
     local = jax.devices()[:g]
     p0 = worker.flat(task.params)
     for name, c in worker.configs().items():
