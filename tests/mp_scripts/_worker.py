@@ -19,6 +19,7 @@ across processes is not fully addressable on any one process.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -48,6 +49,15 @@ class WorkerContext:
         (devices are ordered by process in :func:`commjax.distributed.global_mesh`)."""
         start = self.process_id * self.local_device_count
         return slice(start, start + self.local_device_count)
+
+
+def task_parser(steps: int) -> argparse.ArgumentParser:
+    """The options every task-training worker takes: ``--task FILE`` (the npz written by
+    ``train_compressors.save_task``) and ``--steps`` (default ``steps``)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--task", required=True, help="npz written by train_compressors.save_task")
+    parser.add_argument("--steps", type=int, default=steps)
+    return parser
 
 
 def setup(axis_name: str = "data") -> WorkerContext:

@@ -13,7 +13,6 @@ in-process by the test for the single-process reference.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import numpy as np
@@ -56,12 +55,9 @@ def train(mesh, task: Any, steps: int, place):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--task", required=True, help="npz written by train_compressors.save_task")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    ns = parser.parse_args()
-
     import _worker
+
+    ns = _worker.task_parser(STEPS).parse_args()
     import jax
     from train_compressors import load_task
 

@@ -21,7 +21,6 @@ the single-process reference with exactly the same program.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any, Callable
 
@@ -204,13 +203,11 @@ def run_one(ctx: Any, task: Any, factory: Callable[[], Any], steps: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--task", required=True, help="npz written by save_task")
-    parser.add_argument("--steps", type=int, default=STEPS)
+    import _worker
+
+    parser = _worker.task_parser(STEPS)
     parser.add_argument("--only", default="", help="comma-separated compressor names")
     ns = parser.parse_args()
-
-    import _worker
 
     ctx = _worker.setup(AXIS)
     task = load_task(ns.task)

@@ -16,7 +16,6 @@ also used in-process by the test for the single-process reference.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import numpy as np
@@ -84,12 +83,9 @@ def train(mesh, axes: tuple, kw: dict, task: Any, steps: int, place_rows) -> Any
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--task", required=True, help="npz written by train_compressors.save_task")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    ns = parser.parse_args()
-
     import _worker
+
+    ns = _worker.task_parser(STEPS).parse_args()
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from train_compressors import load_task
