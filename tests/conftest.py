@@ -1,8 +1,5 @@
 """Test configuration: 8 simulated CPU devices, set before JAX is imported."""
-import atexit
 import os
-import shutil
-import tempfile
 
 # Backend optimisation level 0: the tests compile hundreds of small programs and run each
 # for a few steps, so LLVM's optimisation passes cost more than they save. The HLO (and so
@@ -15,17 +12,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM's expensive passes off as well (JAX's switch for it; inherited by the processes
 # the tests start): 10% off the contract matrix, and again no change to the HLO.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-
-# One persistent compilation cache for the whole run, shared by the xdist workers and by
-# every process the tests start (set here first by the controlling process, inherited by
-# the rest): the same program is compiled again by many tests (each builds its step from
-# fresh closures), by a "fresh process" that resumes what the test just trained, and by
-# each process of a multi-process run. A cached executable is the one the compiler made,
-# so no result depends on whether it was hit. Removed when the run ends.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="commjax-test-xla-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
