@@ -26,8 +26,15 @@ demo: $(STAMP)
 
 # Two workers (one per core of the CI machine), one test file each at a time, so a
 # file's module fixtures are built once; the slowest files start first (tests/conftest.py).
+# Every test but those marked exact_codegen compiles with XLA's faster CPU emitters, then
+# those run with the default ones (tests/xla_flags.py). Fails if either run fails; exit
+# status 5 (no test collected) if either collected nothing.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	@COMMJAX_TEST_CODEGEN=fast $(PYTEST); a=$$?; \
+	COMMJAX_TEST_CODEGEN=default $(PYTEST) -m exact_codegen; b=$$?; \
+	for rc in $$a $$b; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done; \
+	if [ $$a -eq 5 ] || [ $$b -eq 5 ]; then exit 5; fi
 
 # The site (API reference from the docstrings) in site/; --strict fails on any warning
 # (a broken reference, a missing object).

@@ -1,12 +1,12 @@
 """Test configuration: 8 simulated CPU devices, set before JAX is imported."""
 import os
 
-# Backend optimisation level 0: the tests compile hundreds of small programs and run each
-# for a few steps, so LLVM's optimisation passes cost more than they save. The HLO (and so
-# every byte count) is the same at every level.
+from xla_flags import codegen, compile_flags
+
+# 8 devices, and the flags that make compiling cheaper without changing the HLO (see
+# xla_flags.py); the processes the tests start inherit them.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + compile_flags()
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM's expensive passes off as well (JAX's switch for it; inherited by the processes
@@ -41,6 +41,18 @@ SLOW_FIRST = (
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "exact_codegen: compares the bits of two different compiled programs; runs "
+        "only with XLA's default code generation (deselected under COMMJAX_TEST_CODEGEN=fast, "
+        "see tests/xla_flags.py)")
+
+
 def pytest_collection_modifyitems(session, config, items):
+    if codegen() == "fast":
+        exact = [i for i in items if i.get_closest_marker("exact_codegen") is not None]
+        if exact:
+            config.hook.pytest_deselected(items=exact)
+            items[:] = [i for i in items if i.get_closest_marker("exact_codegen") is None]
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -174,14 +174,14 @@ def run_on_task(script: str, tmp_path: Path, processes: int = 2, devices: int = 
                 timeout: float = 240.0) -> tuple[list, Any]:
     """Run ``script`` (taking ``--task FILE``) on ``processes`` x ``devices`` with the
     non-i.i.d. task of ``mp_scripts/train_compressors.py`` for that many replicas, written
-    to ``tmp_path``; LLVM's optimisation passes off in the workers (their compile time).
+    to ``tmp_path``; the workers compile with pytest's flags (``xla_flags.py``).
     Checks that every process exited 0, none is left behind and the results come in
     process order. Returns ``(results, task)``, the task as the workers read it."""
     tasks = load_script("train_compressors")
     task_file = tmp_path / "task.npz"
     tasks.save_task(tasks.make_task(processes * devices), str(task_file))
     run = run_workers(script, processes, devices, args=["--task", str(task_file)], timeout=timeout,
-                      env={"XLA_FLAGS": "--xla_backend_optimization_level=0"}, check=True, stream=False)
+                      check=True, stream=False)
     assert not leftover_processes(run.launch.pids)
     assert [r["process_id"] for r in run.results] == list(range(processes))
     return run.results, tasks.load_task(str(task_file))

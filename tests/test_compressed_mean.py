@@ -34,6 +34,7 @@ def test_replicas_bit_identical_after_50_steps_shard_map(task, name):
     assert res.final_loss < task.global_loss(task.params)
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("name", ["q4", "sign"])
 def test_replicas_bit_identical_shard_map_without_vma_check(task, name):
     res = train(_tx(COMPRESSORS[name]), task, 50, log_every=50, check_vma=False)

@@ -200,6 +200,7 @@ def test_nonfinite_step_leaves_buffers_and_gives_nan_everywhere(mesh):
     assert np.all(np.asarray(states[2].metrics["nonfinite"]) == 0)
 
 
+@pytest.mark.exact_codegen
 def test_pmap_and_shard_map_agree():
     task = noniid_classification(N, examples_per_replica=64)
     tx = dgc(0.2, ratio=0.05, min_compress_size=256)

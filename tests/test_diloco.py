@@ -148,6 +148,7 @@ def recorded(task, mesh):
     return _run(tx, task, mesh, 3 * H)
 
 
+@pytest.mark.exact_codegen
 def test_replicas_agree_after_every_sync_and_drift_between(recorded):
     log = recorded[0]
     for t, (p_in, p_out, anchors) in enumerate(log):
@@ -236,6 +237,7 @@ def test_diloco_within_15_percent_of_data_parallel_inner_optimizer(task, sgd_ref
     assert STEPS % H == 0 and int(np.asarray(got.opt_state.count)) == STEPS
 
 
+@pytest.mark.exact_codegen
 def test_vma_off_and_pmap_give_thesame_bits(task):
     make = lambda: diloco(optax.adam(1e-2), nesterov(), sync_every=5)
     a = train(make(), task, 15, log_every=15)

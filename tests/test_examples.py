@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib import image
+from xla_flags import compile_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -32,7 +33,7 @@ def cache_dir(tmp_path_factory):
 
 def _env(cache_dir: Path) -> dict:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the examples set their own device count (--devices)
+    env["XLA_FLAGS"] = compile_flags()  # without the device count: the examples set theirs
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -164,6 +164,7 @@ CASES = [  # (n elements, block, tile rows; None = the interpret default)
 ]
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("n,block,tile", CASES)
 def test_encode_kernels_bit_identical(n, block, tile):
     """Fused quantize (8/4/2 bits, stochastic or nearest, with or without error feedback,
@@ -228,6 +229,7 @@ def _random_rows(replicas: int, nb: int, block: int, bits: int, salt: int) -> ja
     return jnp.asarray(np.concatenate([words, scale.astype(np.float32).view(np.uint32)], axis=2))
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("nb,block,tile", [(1, 256, None), (127, 32, None), (129, 32, 8), (4097, 256, None)])
 def test_decode_kernels_bit_identical(nb, block, tile):
     names = sorted(DECODERS) if nb < 1000 else ["quantize4", "sign"]
@@ -268,6 +270,7 @@ def test_decode_sum_semantics_against_numpy():
         assert_bits_equal(got, expect, f"decode_sum {impl} vs numpy")
 
 
+@pytest.mark.exact_codegen
 def test_pack_kernels_bit_identical():
     cases = [(1, (127, 64)), (2, (1, 32)), (3, (3, 5, 256)), (8, (127, 64)), (16, (1, 32))]
     codes = [jnp.asarray(_rng(b + shape[0]).integers(0, 2 ** b, shape, dtype=np.uint32)) for b, shape in cases]
@@ -309,6 +312,7 @@ CODECS = {
 }
 
 
+@pytest.mark.exact_codegen
 def test_codecs_identical_in_every_mode():
     """Every codec's payload, encode_and_decode, decode and decode_sum, routed through the
     kernels, are the same bits in interpret and reference modes; decode_sum is the sum of
@@ -382,6 +386,7 @@ def _codec_per_layer(impl):
     return optax.chain(tx, optax.sgd(0.1)), label
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_training_bit_identical_across_modes(check_vma):
     """A short data-parallel run (8 replicas, the default reducer: fused encode with error

@@ -144,6 +144,7 @@ def test_float32_is_exact_for_every_pattern(mesh):
         np.testing.assert_array_equal(got[r].view(np.uint32), pats.reshape(-1))
 
 
+@pytest.mark.exact_codegen
 def test_training_equals_cast_bf16_bit_for_bit():
     """60 steps of Adam on the non-i.i.d. task with error feedback (60 to fit the test
     budget; 200 were checked when this was written): lossless gives cast(bf16)'s
@@ -162,6 +163,7 @@ def test_training_equals_cast_bf16_bit_for_bit():
     np.testing.assert_array_equal(runs["lossless"].losses, runs["cast"].losses)
 
 
+@pytest.mark.exact_codegen
 def test_cast_lossless_wire_is_cast_bf16_in_fewer_bytes():
     """cast(bf16, wire="lossless") is the lossless code, and through the two-phase reducer
     (all-to-all, fp32 owner sums, re-encoding, all-gather) trains as raw cast(bf16) does,

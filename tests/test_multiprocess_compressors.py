@@ -30,10 +30,6 @@ from multiprocess import leftover_processes, load_script, run_workers
 
 #: Bound on one launch (each compiles ~10 steps in every process, on 2 shared cores).
 LAUNCH_TIMEOUT_S = 240.0
-#: XLA flags of the workers: LLVM's optimisation passes off, which cuts their compile time
-#: (~10 programs in every process) by about a third; the HLO and its collectives are the
-#: same, and every process uses the same flags, so bit-identity is still tested.
-WORKER_XLA_FLAGS = "--xla_backend_optimization_level=0"
 #: Compressors whose multi-process result must match the single-process one.
 REFERENCE_CHECKED = ("identity", "powersgd")
 
@@ -66,7 +62,7 @@ def test_compressors_across_processes(processes, devices, tmp_path: Path):
     worker.save_task(task, str(task_file))
     run = run_workers("train_compressors.py", processes, devices,
                       args=["--task", str(task_file)], timeout=LAUNCH_TIMEOUT_S,
-                      env={"XLA_FLAGS": WORKER_XLA_FLAGS}, check=True, stream=False)
+                      check=True, stream=False)
     assert not leftover_processes(run.launch.pids)
 
     names = list(worker.compressors())

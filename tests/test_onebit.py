@@ -210,6 +210,7 @@ def test_schedule_is_evaluated_at_the_step_count():
     assert not same_bits(six, run(3e-3, 8))
 
 
+@pytest.mark.exact_codegen
 def test_shard_map_vma_off_and_pmap_give_thesame_bits(task, adam_runs):
     """The vma check changes typing only; pmap lays the state out with a device axis."""
     a = adam_runs[1]

@@ -120,6 +120,7 @@ def cm_state(state):
 # --------------------------------------------------------------------------- MultiSteps
 
 
+@pytest.mark.exact_codegen
 def test_multisteps_equals_hand_accumulation_and_one_exchange_per_real_step(mesh):
     """MultiSteps(every_k=4) around [compressed_mean(4-bit), sgd] == accumulating the
     per-replica gradients by hand and running the exchange only every 4th micro-step."""
@@ -271,6 +272,7 @@ def partition_run(mesh):
     return run(partition_tx(), mesh, 2)
 
 
+@pytest.mark.exact_codegen
 def test_partition_leaves_exempt_parts_exact(mesh, partition_run):
     exact = optax.chain(cm(cj.identity()), optax.sgd(0.5))
     _, state_p, hist_p = partition_run
@@ -294,6 +296,7 @@ def test_partition_leaves_exempt_parts_exact(mesh, partition_run):
     assert sizes == [0, N * DIM * HIDDEN]
 
 
+@pytest.mark.exact_codegen
 def test_masked_pair_equals_partition(mesh, partition_run):
     """optax.masked(compressed_mean(q4), m) + optax.masked(compressed_mean(identity), ~m)
     then sgd is the same as optax.partition of the two, bit for bit, over two steps."""
@@ -374,6 +377,7 @@ def nnx_optimizer_layout(optimizer: nnx.Optimizer, mesh):
     return graphdef, state, specs
 
 
+@pytest.mark.exact_codegen
 def test_nnx_optimizer_matches_functional_chain(mesh):
     tx_fn = lambda: optax.chain(cm(cj.quantize(bits=4)), optax.adam(1e-2))  # noqa: E731
     model = MLP(nnx.Rngs(0))

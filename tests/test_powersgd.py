@@ -502,6 +502,7 @@ def test_training_on_the_noniid_task_matches_the_exact_mean():
     assert out["rank4"]["leaves_compressed"] >= 2
 
 
+@pytest.mark.exact_codegen
 def test_pmap_and_check_vma_false(mesh):
     """The warm-up and the PowerSGD phase under jax.pmap and under shard_map with
     check_vma=False (no replication tracking): the same exact means, on every replica."""

@@ -45,6 +45,7 @@ def _parts(rng, segs, lead=()):
                    [(0, 0)] * len(lead) + [(0, s.padded_size - s.size)]) for s in segs]
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("name", sorted(block_codecs()))
 def test_part_payloads_joined_are_the_bucket_payload(name):
     comp = block_codecs()[name]
@@ -66,6 +67,7 @@ def test_part_payloads_joined_are_the_bucket_payload(name):
         np.testing.assert_array_equal(pieces, joined)
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("reducer", ["allgather", "two_phase"])
 @pytest.mark.parametrize("name", ["q4", "terngrad", "sign"])
 def test_parts_reduction_equals_the_joined_reduction(mesh, name, reducer):

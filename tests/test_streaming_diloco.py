@@ -262,6 +262,7 @@ def test_static_steps_take_the_collective_out_of_the_conditional(mesh, overlappe
 # ------------------------------------------------------------------------- diloco, compressed
 
 
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("compressor", [None, cj.quantize(4)], ids=["exact", "q4"])
 def test_one_fragment_no_overlap_is_diloco_bit_for_bit(mesh, compressor):
     targets = _targets(TWO, N, seed=2)
@@ -402,6 +403,7 @@ def test_compressed_group_mean_keeps_the_group_identical_and_sends_its_plan():
                          inner_replicas=4)
 
 
+@pytest.mark.exact_codegen
 def test_compressed_group_mean_one_fragment_is_diloco_bit_for_bit():
     """cj.diloco(inner_compressor=...) and its one-fragment streaming form: same bits."""
     mesh = _compat.make_mesh((2, 4), ("dc", "data"))
