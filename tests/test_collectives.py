@@ -239,3 +239,62 @@ def test_errors_name_the_fix(mesh):
             mesh, (P("data"),), P(), x)
     with pytest.raises(TypeError, match="codec"):
         run(lambda v: cc.all_gather(v, "data", "int8"), mesh, (P("data"),), P(), x)
+
+
+# ----------------------------------------------------------- any replica count, shape, dtype
+
+#: codec and the bound of ``|all_reduce mean - true mean| / max|x|`` (None: exact).
+PROPERTY_CODECS = {
+    "exact": (None, None),
+    "identity": (cj.identity(), None),
+    "lossless": (cj.lossless(block_size=64), None),  # exact on bfloat16 values
+    "cast": (cj.cast(jnp.bfloat16), 1e-2),
+    "q8": (cj.quantize(bits=8, block_size=64), 0.03),
+    "sign": (cj.sign(block_size=64), 2.5),
+    "top_k": (cj.top_k(0.2), 2.0),
+    "fp8": (cj.fp8(block_size=64), 0.3),
+}
+
+
+@pytest.mark.parametrize("name,n,shape,dtype", [
+    ("exact", 3, (7,), "float32"), ("identity", 5, (3, 5), "bfloat16"),
+    ("lossless", 3, (2, 3, 4), "bfloat16"), ("cast", 5, (1,), "float16"),
+    ("q8", 3, (130,), "float32"), ("sign", 5, (2, 33), "bfloat16"),
+    ("top_k", 3, (5, 5), "float32"), ("fp8", 5, (70,), "float32"),
+])
+def test_collectives_on_odd_replica_counts(name, n, shape, dtype):
+    """On 3 and 5 replicas, odd shapes and low-precision dtypes: all_reduce (every reducer
+    the codec allows) is the same on every replica, in the input dtype, within the codec's
+    bound of the true mean (equal for exact codecs); all_gather returns every shard and
+    reduce_scatter each replica's chunk of the sum, identical where the codec is exact."""
+    codec, bound = PROPERTY_CODECS[name]
+    mesh = _compat.make_mesh((n,), ("r",), devices=jax.devices()[:n])
+    dt = jnp.dtype(dtype)
+    x = (jax.random.normal(jax.random.PRNGKey(n), (n,) + shape)
+         + jnp.arange(n).reshape((n,) + (1,) * len(shape))).astype(dt)
+    true = np.asarray(x, np.float32).mean(0)
+    reducers = ["auto"] if codec is None else ["auto"] + list(cj.reducers_for(codec))
+    key = jax.random.PRNGKey(7)
+    for reducer in reducers:
+        out = run(lambda v: cc.all_reduce(v[0], "r", codec, reducer=reducer, key=key, mean=True)[None],
+                  mesh, P("r"), P("r"), x, check_vma=False)
+        assert out.dtype == dt and out.shape == x.shape, reducer
+        got = np.asarray(out, np.float32)
+        assert all(np.array_equal(got[0], got[r]) for r in range(n)), reducer
+        err = np.max(np.abs(got[0] - true)) / np.max(np.abs(np.asarray(x, np.float32)))
+        limit = float(jnp.finfo(dt).eps) * n if bound is None else bound
+        assert err <= limit, (reducer, err, limit)
+    gathered = run(lambda v: cc.all_gather(v[0], "r", codec, key=key)[None], mesh, P("r"), P("r"),
+                   x, check_vma=False)
+    assert gathered.shape == (n, n * shape[0]) + shape[1:] and gathered.dtype == dt
+    g = np.asarray(gathered, np.float32)
+    assert all(np.array_equal(g[0], g[r]) for r in range(n))
+    if bound is None:
+        np.testing.assert_array_equal(g[0].reshape((n,) + shape), np.asarray(x, np.float32))
+    y = jnp.concatenate([x] * n, axis=1)  # [n, n * a, ...]: chunk j of replica r is x[r]
+    chunk = run(lambda v: cc.reduce_scatter(v[0], "r", codec, key=key, mean=True)[None],
+                mesh, P("r"), P("r"), y, check_vma=False)
+    assert chunk.shape == x.shape and chunk.dtype == dt
+    if bound is None:
+        c = np.asarray(chunk, np.float32)
+        assert np.max(np.abs(c - true[None])) <= float(jnp.finfo(dt).eps) * n * np.max(np.abs(true))
