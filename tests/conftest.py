@@ -50,9 +50,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     if codegen() == "fast":
-        exact = [i for i in items if i.get_closest_marker("exact_codegen") is not None]
-        if exact:
-            config.hook.pytest_deselected(items=exact)
-            items[:] = [i for i in items if i.get_closest_marker("exact_codegen") is None]
+        marked = {id(i) for i in items if i.get_closest_marker("exact_codegen") is not None}
+        if marked:
+            config.hook.pytest_deselected(items=[i for i in items if id(i) in marked])
+            items[:] = [i for i in items if id(i) not in marked]
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -272,7 +272,8 @@ def test_collectives_on_odd_replica_counts(name, n, shape, dtype):
     dt = jnp.dtype(dtype)
     x = (jax.random.normal(jax.random.PRNGKey(n), (n,) + shape)
          + jnp.arange(n).reshape((n,) + (1,) * len(shape))).astype(dt)
-    true = np.asarray(x, np.float32).mean(0)
+    xf = np.asarray(x, np.float32)
+    true = xf.mean(0)
     reducers = ["auto"] if codec is None else ["auto"] + list(cj.reducers_for(codec))
     key = jax.random.PRNGKey(7)
     for reducer in reducers:
@@ -281,7 +282,7 @@ def test_collectives_on_odd_replica_counts(name, n, shape, dtype):
         assert out.dtype == dt and out.shape == x.shape, reducer
         got = np.asarray(out, np.float32)
         assert all(np.array_equal(got[0], got[r]) for r in range(n)), reducer
-        err = np.max(np.abs(got[0] - true)) / np.max(np.abs(np.asarray(x, np.float32)))
+        err = np.max(np.abs(got[0] - true)) / np.max(np.abs(xf))
         limit = float(jnp.finfo(dt).eps) * n if bound is None else bound
         assert err <= limit, (reducer, err, limit)
     gathered = run(lambda v: cc.all_gather(v[0], "r", codec, key=key)[None], mesh, P("r"), P("r"),
@@ -290,7 +291,7 @@ def test_collectives_on_odd_replica_counts(name, n, shape, dtype):
     g = np.asarray(gathered, np.float32)
     assert all(np.array_equal(g[0], g[r]) for r in range(n))
     if bound is None:
-        np.testing.assert_array_equal(g[0].reshape((n,) + shape), np.asarray(x, np.float32))
+        np.testing.assert_array_equal(g[0].reshape((n,) + shape), xf)
     y = jnp.concatenate([x] * n, axis=1)  # [n, n * a, ...]: chunk j of replica r is x[r]
     chunk = run(lambda v: cc.reduce_scatter(v[0], "r", codec, key=key, mean=True)[None],
                 mesh, P("r"), P("r"), y, check_vma=False)
