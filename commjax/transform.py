@@ -305,8 +305,8 @@ class _Compressed(NamedTuple):
     server_residual: jax.Array
     compressor_state: Any
     metrics: dict
-    finite: Any = None  # per leaf: its payloads' scales finite (None: read the mean instead)
-    scan: bool = False  # no cheaper test: a non-finite mean is found by reading it
+    finite: Any = None  # per leaf: its mean finite, from the payloads' scale words or the
+    # exchange's factors (None: sparse codecs, whose finite inputs give finite means)
 
 
 def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _Compressed:
@@ -337,12 +337,12 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         xs = parts if residuals is None else [
             p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
             for p, r, s in zip(parts, residuals, segs)]
-        means, locals_, cs = exchange.run(
+        means, locals_, cs, finite = exchange.run(
             cfg.compressor, xs, segs, state.compressor_state,
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
             shared_key=keys[0], init_key=keys[2], count=state.count)
         new_res = [] if residuals is None else [x[:s.size] - l for x, l, s in zip(xs, locals_, segs)]
-        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, scan=True)
+        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite)
     server = state.server_residual if plan.server_residual_size else None
     res = reduce_parts(
         cfg.compressor, plan.reducer_impl, parts, segs,
@@ -372,10 +372,10 @@ def _means(cfg, plan, exact: _Exact, comp: Optional[_Compressed], n_rep) -> list
     return list(comp.means)
 
 
-def _bad_flags(cfg, exact: _Exact, means: list, comp: Optional[_Compressed]) -> list:
+def _bad_flags(cfg, exact: _Exact, comp: Optional[_Compressed]) -> list:
     """Per compressed leaf, replicated: non-finite on some replica before the exchange, or
     after it (a block that could not be encoded, factors that overflowed): read from the
-    payloads' scale words, or from the mean for an exchange. Both are identical on every
+    payloads' scale words, or from an exchange's factors. Both are identical on every
     replica, so every replica decides the same. (Sparse codecs send the values themselves:
     finite inputs give finite means.)"""
     if not cfg.check_finite:
@@ -384,9 +384,6 @@ def _bad_flags(cfg, exact: _Exact, means: list, comp: Optional[_Compressed]) -> 
         return list(exact.global_bad)
     if comp.finite is not None:
         return [jnp.logical_or(b, jnp.logical_not(f)) for b, f in zip(exact.global_bad, comp.finite)]
-    if comp.scan:
-        return [jnp.logical_or(b, jnp.logical_not(guards.all_finite(m)))
-                for b, m in zip(exact.global_bad, means)]
     return list(exact.global_bad)
 
 
@@ -437,7 +434,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 jax.random.fold_in(exact.shared_key, _INIT_SALT))
         comp = _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact)
     means = _means(cfg, plan, exact, comp, n_rep)
-    bad = _bad_flags(cfg, exact, means, comp)
+    bad = _bad_flags(cfg, exact, comp)
     any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
     out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, means, bad)
     server, cs = state.server_residual, state.compressor_state

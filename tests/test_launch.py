@@ -146,13 +146,22 @@ def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.multiprocess
-def test_cli_help():
-    out = _cli("--help")
-    assert out.returncode == 0, out.stderr
+def _cli_in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """``commjax.launch.main(argv)`` in this process, for what fails or ends before any
+    process starts (the parser): each ``python -m commjax.launch`` first pays for
+    importing JAX. The entry point itself runs in the tests below."""
+    with pytest.raises(SystemExit) as exit_:
+        cl.main(list(argv))
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def test_cli_help(capsys):
+    code, out, _ = _cli_in_process(capsys, "--help")
+    assert code == 0
     for word in ("--processes", "--devices-per-process", "--timeout", "--interface",
                  "COMMJAX_COORDINATOR"):
-        assert word in out.stdout
+        assert word in out
 
 
 @pytest.mark.multiprocess
@@ -178,14 +187,17 @@ def test_cli_timeout_and_success():
     assert out.stdout.count("hello from process") == 2
 
 
-@pytest.mark.multiprocess
-def test_cli_rejects_bad_arguments():
-    out = _cli("--processes", "0", str(MP_SCRIPTS / "exit_code.py"))
-    assert out.returncode == 2 and "--processes must be >= 1" in out.stderr
-    out = _cli("--processes", "2", "--devices-per-process", "0", str(MP_SCRIPTS / "exit_code.py"))
-    assert out.returncode == 2 and "--devices-per-process must be >= 1" in out.stderr
-    out = _cli("--processes", "2", "no_such_script.py")
-    assert out.returncode == 2 and "script not found" in out.stderr
+@pytest.mark.parametrize("argv,message", [
+    (("--processes", "0", str(MP_SCRIPTS / "exit_code.py")), "--processes must be >= 1"),
+    (("--processes", "2", "--devices-per-process", "0", str(MP_SCRIPTS / "exit_code.py")),
+     "--devices-per-process must be >= 1"),
+    (("--processes", "2", "--timeout", "0", str(MP_SCRIPTS / "exit_code.py")), "--timeout must be > 0"),
+    (("--processes", "2", "--grace", "-1", str(MP_SCRIPTS / "exit_code.py")), "--grace must be >= 0"),
+    (("--processes", "2", "no_such_script.py"), "script not found"),
+])
+def test_cli_rejects_bad_arguments(capsys, argv, message):
+    code, _, err = _cli_in_process(capsys, *argv)
+    assert code == 2 and message in err
 
 
 # ------------------------------------------------------------------- in-process units

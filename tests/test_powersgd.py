@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax.compressors.base import Segment
-from commjax.compressors.powersgd import matrix_shape, orthogonalize, powersgd
+from commjax.compressors.powersgd import low_rank_product, matrix_shape, orthogonalize, powersgd
+from commjax.exchanges.powersgd import product_finite
 from commjax.testing import flat_residual
 
 N = 8
@@ -558,12 +559,40 @@ def test_one_replica_exchange_is_a_rank_r_orthogonal_projection_per_leaf():
     x = jax.random.normal(jax.random.PRNGKey(0), (off,))
     state = ex.init_state(comp, segs, 1, jax.random.PRNGKey(1))
     parts = [x[s.offset:s.offset + s.size] for s in segs]
-    means, locals_, _ = ex.run(comp, parts, segs, state, axis_name=None, num_replicas=1,
-                               shared_key=jax.random.PRNGKey(2), init_key=jax.random.PRNGKey(1),
-                               count=jnp.int32(0))
+    means, locals_, _, finite = ex.run(comp, parts, segs, state, axis_name=None, num_replicas=1,
+                                       shared_key=jax.random.PRNGKey(2),
+                                       init_key=jax.random.PRNGKey(1), count=jnp.int32(0))
+    assert [bool(f) for f in finite] == [True] * len(segs)
     for p, m, l, s in zip(parts, means, locals_, segs):
         mat = np.asarray(p, np.float64).reshape(s.shape)
         hat = np.asarray(m, np.float64).reshape(s.shape)
         np.testing.assert_array_equal(np.asarray(l), np.asarray(m))
         assert np.linalg.matrix_rank(hat, tol=1e-4 * np.abs(hat).max()) <= 2
         np.testing.assert_allclose(hat.T @ (mat - hat), 0.0, atol=1e-4 * np.abs(mat).sum())
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_product_finite_is_sound_and_is_the_stated_bound(rank):
+    """The finiteness of ``P Q^T`` read from the factors: never "finite" for a product with
+    an Inf or NaN, and exactly the Cauchy-Schwarz bound ``max ||P_i|| max ||Q_j||`` (in
+    float64) against the fp32 maximum, also for factors whose squares overflow fp32."""
+    fmax = float(jnp.finfo(jnp.float32).max)
+    test = jax.jit(lambda p, q: (product_finite(p, q), jnp.all(jnp.isfinite(low_rank_product(p, q)))))
+    rng = np.random.default_rng(rank)
+    seen = set()
+    for k in range(60):
+        p = rng.standard_normal((33, rank)).astype(np.float32)
+        q = rng.standard_normal((17, rank)).astype(np.float32)
+        q *= np.float32(fmax / np.abs(p @ q.T).max() * 2.0 ** rng.uniform(-3, 1.5))
+        if k % 20 == 0:
+            p[rng.integers(33), 0] = np.nan if k == 0 else np.inf
+        said, finite = (bool(v) for v in test(jnp.asarray(p), jnp.asarray(q)))
+        seen.add((said, finite))
+        if said:
+            assert finite, k
+        with np.errstate(invalid="ignore", over="ignore"):
+            bound = (np.linalg.norm(p.astype(np.float64), axis=1).max()
+                     * np.linalg.norm(q.astype(np.float64), axis=1).max())
+        if not np.isfinite(bound) or abs(bound / fmax - 1) > 2e-3:  # away from the margin
+            assert said == (bound < fmax), (k, bound / fmax)
+    assert {(True, True), (False, False)} <= seen

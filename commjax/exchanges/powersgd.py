@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax import _compat
+from commjax import _compat, guards
 from commjax.compressors.base import Segment
 from commjax.compressors.powersgd import (
     PowerSGD,
@@ -30,9 +30,38 @@ from commjax.compressors.powersgd import (
 )
 from commjax.exchanges.base import Exchange
 
-__all__ = ["PowerSGDExchange", "fused_mean"]
+__all__ = ["PowerSGDExchange", "fused_mean", "product_finite"]
 
 _HIGHEST = lax.Precision.HIGHEST
+
+
+def _max_row_norm(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(v, e)`` with ``max_i ||a_i||_2 = v 2^e`` (``v`` in ``[0.5, sqrt(r)]``): the rows
+    are first scaled by ``2^-e``, ``2^e`` just above the largest magnitude, in two steps of
+    normal powers of two, so that neither the squares overflow nor the scale itself is a
+    subnormal number (XLA's CPU code flushes those to zero)."""
+    _, e = jnp.frexp(jnp.max(jnp.abs(a)))
+    half = e // 2
+    scaled = a * jnp.exp2(-half.astype(jnp.float32)) * jnp.exp2((half - e).astype(jnp.float32))
+    return jnp.sqrt(jnp.max(jnp.sum(jnp.square(scaled), axis=1))), e
+
+
+def product_finite(p: jax.Array, q: jax.Array) -> jax.Array:
+    """Whether every entry of ``P Q^T`` is finite, read from the thin factors alone: reading
+    the ``m x n`` product itself costs a pass over memory each step, and over a whole
+    model that was the larger part of PowerSGD's compute on CPU.
+
+    By Cauchy-Schwarz ``|(P Q^T)_ij| <= ||P_i|| ||Q_j|| <= max_i ||P_i|| max_j ||Q_j|| = B``.
+    The product is accumulated in fp32 (``Precision.HIGHEST``), a relative rounding error
+    far below ``2^-10``, so ``B (1 + 2^-10)`` below the fp32 maximum (about ``2^128``)
+    proves every entry finite; ``B`` is formed as a mantissa and a power of two, so the
+    test itself never overflows. A NaN or Inf in a factor fails it. It is conservative
+    only at the edge of the range: with an orthonormal factor (rows of norm at most 1) it
+    asks the other factor's row norms to stay below the fp32 maximum.
+    """
+    vp, ep = _max_row_norm(p)
+    vq, eq = _max_row_norm(q)
+    return jnp.log2(vp * vq * (1.0 + 2.0 ** -10)) + (ep + eq).astype(jnp.float32) < 128.0
 
 
 def fused_mean(parts: Sequence[jax.Array], axis_name: Any, num_replicas: int) -> list[jax.Array]:
@@ -81,23 +110,24 @@ class _Step:
     def left(self, ms, ps):  # [G, n, r] = M_j^T P_j
         return jnp.stack([transposed_product(m, ps[j]) for j, m in enumerate(ms)])
 
-    def finish(self, ps, qs, new_state, raw=()):
-        """``M_hat = P Q^T`` per leaf; NaN for a leaf whose all-reduced factors (``raw``: per
-        group, ``[G, k, r]`` arrays) are not finite: an overflow would otherwise be
-        orthogonalized away into a silent zero."""
-        mean = [None] * len(self.segments)
+    def finish(self, ps, qs, new_state, raw):
+        """``M_hat = P Q^T`` per leaf, and per leaf whether it is finite, decided from the
+        small factors alone (replicated, so every replica decides the same): the all-reduced
+        factors (``raw``: per group, ``[G, k, r]`` arrays) must be finite, since an overflow
+        would otherwise be orthogonalized away into a silent zero, and so must the bound
+        of :func:`product_finite` on the product."""
+        mean, finite = [None] * len(self.segments), [None] * len(self.segments)
         for gi, (g, p, q) in enumerate(zip(self.groups, ps, qs)):
             for j, i in enumerate(g.members):
-                m = low_rank_product(p[j], q[j]).reshape(-1)
-                if raw:
-                    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f[gi][j])) for f in raw]))
-                    m = m + jnp.where(ok, 0.0, jnp.nan)
-                mean[i] = m
+                mean[i] = low_rank_product(p[j], q[j]).reshape(-1)
+                finite[i] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f[gi][j])) for f in raw]
+                                              + [product_finite(p[j], q[j])]))
         local = mean if self.axis is None else [_compat.vary(m, self.axis) for m in mean]
-        return mean, local, new_state
+        return mean, local, new_state, finite
 
     def warmup(self, _):
-        return self.mean(self.leaves), list(self.leaves), self.state
+        means = self.mean(self.leaves)
+        return means, list(self.leaves), self.state, [guards.all_finite(m) for m in means]
 
     def both(self, _):
         c = self.c
@@ -149,9 +179,11 @@ class PowerSGDExchange(Exchange):
     def run(self, codec, parts, segments, state, *, axis_name, num_replicas, shared_key,
             init_key, count):
         """Exact mean in the warm-up, then PowerSGD, leaf by leaf: each leaf's matrix is a
-        view of its own part, and its ``M_hat`` is returned as its own array. Returns per
-        segment ``(M_hat, M_hat, new_state)`` in the PowerSGD phase (error feedback keeps
-        ``x - M_hat``) and ``(mean, x, state)`` in the warm-up (no residual builds up)."""
+        view of its own part, and its ``M_hat`` is returned as its own array. Returns
+        ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase (error feedback keeps
+        ``x - M_hat``; ``finite`` per segment from the factors, see :meth:`_Step.finish`)
+        and ``(mean, x, state, finite)`` in the warm-up (no residual builds up; ``finite``
+        read from the mean)."""
         step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key, init_key)
         count = jnp.asarray(count, jnp.int32)
         start = codec.start_step
