@@ -197,6 +197,27 @@ def test_encode_kernels_bit_identical(n, block, tile):
             assert_bits_equal(g[1], r[1], what + " " + out)
 
 
+@pytest.mark.parametrize("block", [256, 96])
+def test_sign_scales_are_the_mean_and_never_overflow(block):
+    """``row_scales``: each row's ``mean |x + e|`` (to fp32 round-off), also where the row's sum overflows fp32 while its mean does not;
+    Inf and NaN rows stay so. (Every kernel mode takes its scales from this function:
+    test_encode_kernels_bit_identical.)"""
+    rng = np.random.default_rng(block)
+    x = rng.standard_normal((6, block)).astype(np.float32)
+    e = rng.standard_normal((6, block)).astype(np.float32)
+    x[1] = 3e37  # the sum (block * 3e37) overflows, the mean does not
+    e[1] = 0.0
+    x[2, 5] = np.inf
+    x[3, 7] = np.nan
+    x[4] = 0.0
+    e[4] = 0.0
+    got = np.asarray(jax.jit(kref.row_scales)(jnp.asarray(x), jnp.asarray(e)))[:, 0]
+    want = np.abs(x.astype(np.float64) + e).mean(axis=1)
+    assert np.isfinite(got[1]) and abs(got[1] / 3e37 - 1) < 1e-5
+    assert np.isposinf(got[2]) and np.isnan(got[3]) and got[4] == 0.0
+    np.testing.assert_allclose(got[[0, 5]], want[[0, 5]], rtol=1e-6)
+
+
 def test_quantize_reference_is_the_codec_and_the_format():
     """The kernel's oracle is the codec's own arithmetic, and its rows follow the wire
     format: unpacking them gives l + L with |l| <= L, the scale word is max |x|, and the

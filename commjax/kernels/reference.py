@@ -112,11 +112,22 @@ def quantize_reference(
 
 
 def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
-    """``float32[nb, 1]``: each row's ``mean |x + e|``, XLA's reduction."""
+    """``float32[nb, 1]``: each row's ``mean |x + e|``, XLA's reduction.
+
+    The sum is divided by ``B``, unless some row's sum overflowed: then every term is
+    divided before the sum (a conditional, taken only on such a step), so that a mean of
+    finite values never overflows. Dividing each term always would cost a pass: XLA's CPU
+    reductions take the constant ``1/B`` as a full-size materialised operand, written and
+    read once more per step. For a power-of-two ``B`` both orders give the same bits
+    (scaling by a power of two commutes with rounding), down to subnormal terms.
+    """
     if residual is not None:
         x = x + residual.astype(jnp.float32)
-    # Each term divided before the sum: a mean of finite values never overflows.
-    return jnp.sum(jnp.abs(x) * (1.0 / x.shape[1]), axis=1)[:, None]
+    inv = 1.0 / x.shape[1]
+    total = jnp.sum(jnp.abs(x), axis=1)
+    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: jnp.sum(jnp.abs(v) * inv, axis=1),
+                     lambda v: total * inv, x)
+    return scale[:, None]
 
 
 def sign_reference(
