@@ -28,8 +28,10 @@ demo: $(STAMP)
 # file's module fixtures are built once; the slowest files start first (tests/conftest.py).
 # Every test but those marked exact_codegen compiles with XLA's faster CPU emitters, then
 # those run with the default ones (tests/xla_flags.py). Fails if either run fails; exit
-# status 5 (no test collected) if either collected nothing.
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+# status 5 (no test collected) if either collected nothing. --capture=sys: what XLA's C++
+# code writes to stderr reaches the log (a worker that aborted left no message when
+# pytest captured file descriptor 2 into a file that died with it).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --capture=sys
 test: $(STAMP)
 	@COMMJAX_TEST_CODEGEN=fast $(PYTEST); a=$$?; \
 	COMMJAX_TEST_CODEGEN=default $(PYTEST) -m exact_codegen; b=$$?; \

@@ -168,11 +168,18 @@ def encode_rows(codec: Compressor, rows: jax.Array, key: Optional[jax.Array], *,
             return codec.encode(flat, key, start=start).reshape(n_rows, -1)
         words, new = codec.encode_feedback(flat, residual.reshape(-1), key, start=start)
         return words.reshape(n_rows, -1), new.reshape(n_rows, c)
-    keys = None if key is None else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_rows))
-    y = rows if residual is None else rows + residual.astype(jnp.float32)
     if residual is None:
-        return jax.vmap(lambda v, k: codec.encode(v, k))(y, keys)
-    words, local = jax.vmap(lambda v, k: codec.encode_and_decode(v, k))(y, keys)
+        return jax.vmap(lambda v, k: codec.encode(v, k))(rows, _row_keys(key, n_rows))
+    return _encode_rows_feedback(codec, rows + residual.astype(jnp.float32), key)
+
+
+def _row_keys(key: Optional[jax.Array], n_rows: int) -> Optional[jax.Array]:
+    return None if key is None else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_rows))
+
+
+def _encode_rows_feedback(codec: Compressor, y: jax.Array, key: Optional[jax.Array]):
+    """A non-block codec's rows ``y = rows + residual``, already formed: ``(words, y - C(y))``."""
+    words, local = jax.vmap(lambda v, k: codec.encode_and_decode(v, k))(y, _row_keys(key, y.shape[0]))
     return words, y - local
 
 
@@ -863,18 +870,13 @@ class TwoPhase(Reducer):
 def _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas):
     """A non-block codec's two-phase payload: the joined bucket cut into ``N`` destination
     chunks, each encoded (selected) on its own."""
-    x = flat_bucket.concat(parts)
-    res = None
-    if residuals is not None:
-        res = flat_bucket.concat(
-            [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
-        res = jnp.pad(res, (0, m - x.shape[0])).reshape(num_replicas, -1)
+    x = _joined(parts, segments, residuals)
     rows = jnp.pad(x, (0, m - x.shape[0])).reshape(num_replicas, -1)
-    if res is None:
+    if residuals is None:
         words = encode_rows(codec, rows, key)
         local = decode_rows(codec, words, m // num_replicas)
         return words, flat_bucket.cut(local.reshape(-1), segments)
-    words, e = encode_rows(codec, rows, key, residual=res)
+    words, e = _encode_rows_feedback(codec, rows, key)
     return words, flat_bucket.cut(e.reshape(-1), segments)
 
 
@@ -981,12 +983,10 @@ class SharedMask(Reducer):
 
 
 def _joined(parts, segments, residuals):
-    """The bucket as one flat vector (``part + residual`` with error feedback)."""
-    x = flat_bucket.concat(parts)
-    if residuals is None:
-        return x
-    return x + flat_bucket.concat(
-        [jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size)) for r, s in zip(residuals, segments)])
+    """The bucket as one flat vector (``part + residual`` with error feedback), added
+    before joining: joining the parts and the residuals apart wrote two bucket-size
+    vectors, and every reader of ``x`` then read both."""
+    return flat_bucket.concat(_with_residuals(parts, segments, residuals))
 
 
 REDUCERS = ("auto", "allreduce", "allgather", "two_phase")

@@ -144,15 +144,39 @@ def _domains(n: int, segments: Optional[Sequence[Segment]], per_leaf: bool) -> l
     return [(0, int(n))] if n > 0 else []
 
 
-def _scatter(n: int, positions: list[jax.Array], values: list[jax.Array]) -> jax.Array:
-    out = jnp.zeros((n,), jnp.float32)
+def _entries(positions: list[jax.Array], values: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     if not positions:
-        return out
-    pos = jnp.concatenate(positions)
-    val = jnp.concatenate(values)
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+    return jnp.concatenate(positions), jnp.concatenate(values)
+
+
+def _add_entries(out: jax.Array, pos: jax.Array, val: jax.Array) -> jax.Array:
     # Positions are distinct, except padding slots (value 0) that may repeat a position:
-    # adding zeros there is harmless, so this is a scatter-add.
+    # adding zeros there is harmless, so this is a scatter-add (positions past the end of
+    # ``out`` are dropped).
     return out.at[pos].add(val, mode="drop")
+
+
+class _SparseDecode:
+    """Decoding of a payload of ``(position, value)`` entries (:meth:`entries`)."""
+
+    def entries(self, payload: jax.Array, n: int, segments=None) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError
+
+    def decode(self, payload, n, segments=None):
+        return _add_entries(jnp.zeros((n,), jnp.float32), *self.entries(payload, n, segments))
+
+    def decode_sum(self, payloads, n, segments=None, *, divide=1):
+        """``sum_r decode(payloads[r], n) / divide`` in replica order, as the dense sum of
+        :meth:`Compressor.decode_sum` computes it, bit for bit (the sum never holds ``-0``,
+        so adding zero where a replica sent nothing changes no bit), but with each
+        replica's entries scatter-added into one buffer: ``n + N k`` values written
+        instead of ``N n``."""
+        total = jnp.zeros((n,), jnp.float32)
+        for r in range(payloads.shape[0]):
+            pos, val = self.entries(payloads[r], n, segments)
+            total = _add_entries(total, pos, val if divide == 1 else val / divide)
+        return total
 
 #: Row width of the two-stage exact top-k, and the smallest domain it is used for.
 _ROW = 1024
@@ -189,7 +213,7 @@ def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Compressor):
+class TopK(_SparseDecode, Compressor):
     """Keep the ``k`` entries of largest magnitude of each selection domain (see :func:`top_k`)."""
 
     ratio: float = 0.01
@@ -266,7 +290,7 @@ class TopK(Compressor):
             return jnp.zeros((0,), jnp.uint32)
         return jnp.concatenate(parts)
 
-    def decode(self, payload, n, segments=None):
+    def entries(self, payload, n, segments=None):
         pos, val = [], []
         w = 0
         for g in self.groups(n, segments):
@@ -284,7 +308,7 @@ class TopK(Compressor):
             # Padding slots of a short last chunk point past the group: send them nowhere.
             pos.append(jnp.where(p < g.offset + g.size, p, n))
             val.append(vals)
-        return _scatter(n, pos, val)
+        return _entries(pos, val)
 
     def local_metrics(self, x, segments):
         """``density``: fraction of the bucket's entries sent as non-zeros this step."""
@@ -527,7 +551,7 @@ def random_k(ratio: float = 0.01, *, rescale: bool = False, values_dtype: Any = 
 
 
 @dataclasses.dataclass(frozen=True)
-class Threshold(Compressor):
+class Threshold(_SparseDecode, Compressor):
     """Send the entries with ``|x_i| >= tau``, at most ``capacity`` (see :func:`threshold`)."""
 
     tau: float = 1e-3
@@ -557,13 +581,13 @@ class Threshold(Compressor):
         idx = jnp.where(ok, idx, 0).astype(jnp.uint32)
         return jnp.concatenate([_pack_values(vals, self.values_dtype_name), idx])
 
-    def decode(self, payload, n, segments=None):
+    def entries(self, payload, n, segments=None):
         c = self.slots(n)
         vw = _value_words(c, self.values_dtype_name)
         vals = _unpack_values(payload[:vw], c, self.values_dtype_name)
         idx = payload[vw:vw + c].astype(jnp.int32)
         # Unused slots carry (index 0, value 0): a harmless add.
-        return _scatter(n, [idx], [vals])
+        return _entries([idx], [vals])
 
     def local_metrics(self, x, segments):
         """``density``: fraction of entries sent; ``dropped``: entries over the threshold
