@@ -14,6 +14,13 @@ Two code generations, chosen by ``$COMMJAX_TEST_CODEGEN``:
   ``fast`` except those marked ``exact_codegen`` (bits compared between two different
   programs), which it then runs with ``default``.
 
+Both add a long termination timeout for the CPU collectives' rendezvous (on the jaxlib
+releases known to have the flag). XLA aborts the whole process, with one log line, when
+the devices of a program have not all reached a collective within that time; on the
+2-core CI machine, while the other pytest worker runs a 4-process test, that is not proof
+of a deadlock. A real deadlock still ends the process, after 10 minutes and with its
+message (``make test`` does not capture file descriptor 2).
+
 Every process of one test compiles with the same flags, so bit-identity across the
 processes and across a resume is tested under either. This module imports nothing that
 imports JAX: the flags must be set before JAX starts.
@@ -30,6 +37,9 @@ LEGACY_EMITTER_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 #: jaxlib releases known to have the flag; XLA aborts on a flag it does not know, so
 #: ``fast`` is ``default`` on others.
 LEGACY_EMITTER_JAXLIB = ("0.10.",)
+RENDEZVOUS_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+#: jaxlib releases known to have that flag.
+RENDEZVOUS_JAXLIB = ("0.10.",)
 
 
 def _jaxlib_version() -> str:
@@ -52,6 +62,8 @@ def codegen() -> str:
 def compile_flags() -> str:
     """The flags to append to ``XLA_FLAGS`` for this installation and code generation."""
     flags = [OPTIMIZATION_FLAGS]
+    if _jaxlib_version().startswith(RENDEZVOUS_JAXLIB):
+        flags.append(RENDEZVOUS_FLAGS)
     if codegen() == "fast":
         flags.append(LEGACY_EMITTER_FLAGS)
     return " ".join(flags)
