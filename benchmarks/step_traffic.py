@@ -100,23 +100,28 @@ def _called(attrs: str) -> list[str]:
     return names
 
 
+def _operands(args: str) -> list[str]:
+    """The instruction names in an HLO operand list (``/*index=5*/`` comments dropped)."""
+    return [a.strip().split("*/")[-1].lstrip("%") for a in args.split(",")]
+
+
+def _parameters(comps: dict[str, list[str]], fused: str) -> dict[str, int]:
+    """Parameter name -> operand index, in computation ``fused``."""
+    matches = (_INSTR.match(line) for line in comps.get(fused, []))
+    return {m.group(1): int(m.group(4)) for m in matches if m and m.group(3) == "parameter"}
+
+
 def _sliced_reads(comps: dict[str, list[str]], fused: str) -> dict[int, int]:
     """Per parameter of fused computation ``fused`` that is only ever sliced, the bytes of
     its slices (what the fusion reads of that operand)."""
-    params: dict[str, int] = {}
     users: dict[str, list[tuple[str, str]]] = {}
     for line in comps.get(fused, []):
         m = _INSTR.match(line)
-        if not m:
-            continue
-        out, shape, op, args = m.group(1), m.group(2), m.group(3), m.group(4)
-        if op == "parameter":
-            params[out] = int(args)
-            continue
-        for a in args.split(","):
-            users.setdefault(a.strip().split("*/")[-1].lstrip("%"), []).append((op, shape))
+        if m and m.group(3) != "parameter":
+            for a in _operands(m.group(4)):
+                users.setdefault(a, []).append((m.group(3), m.group(2)))
     reads = {}
-    for pname, index in params.items():
+    for pname, index in _parameters(comps, fused).items():
         use = users.get(pname, [])
         if use and all(op == "slice" for op, _ in use):
             reads[index] = sum(shape_bytes(shape) for _, shape in use)
@@ -132,12 +137,8 @@ def _in_place(comps: dict[str, list[str]], fused: Optional[str], op: str, operan
         roots = [_INSTR.match(l) for l in comps.get(fused, []) if l.lstrip().startswith("ROOT ")]
         if not roots or roots[0] is None or roots[0].group(3) not in ("scatter", "dynamic-update-slice"):
             return None
-        params = {}
-        for line in comps[fused]:
-            m = _INSTR.match(line)
-            if m and m.group(3) == "parameter":
-                params[m.group(1)] = int(m.group(4))
-        inner = [a.strip().split("*/")[-1].lstrip("%") for a in roots[0].group(4).split(",")]
+        params = _parameters(comps, fused)
+        inner = _operands(roots[0].group(4))
         if inner[0] not in params:
             return None
         rest = [o for i, o in enumerate(operands) if i != params[inner[0]]]
@@ -149,7 +150,7 @@ def _in_place(comps: dict[str, list[str]], fused: Optional[str], op: str, operan
     return sum(shape_bytes(sizes.get(o, "")) for o in rest) + shape_bytes(sizes.get(rest[-1], ""))
 
 
-def traffic(comps: dict[str, list[str]], name: str) -> dict[str, float]:
+def traffic(comps: dict[str, list[str]], name: str) -> dict[str, Any]:
     """``{"straight", "branches"}`` bytes of computation ``name`` (see the module docstring),
     and ``"ops"``: its top-level operations as ``(bytes, opcode, name)``, largest first."""
     sizes: dict[str, str] = {}
@@ -167,7 +168,7 @@ def traffic(comps: dict[str, list[str]], name: str) -> dict[str, float]:
             inner = [traffic(comps, c) for c in _called(attrs)]
             branches += max((t["straight"] + t["branches"] for t in inner), default=0.0)
             continue
-        operands = [a.strip().split("*/")[-1].lstrip("%") for a in args.split(",")]
+        operands = _operands(args)
         called = re.search(r"calls=%?([\w.\-]+)", attrs) if op == "fusion" else None
         fused = called.group(1) if called else None
         moved = _in_place(comps, fused, op, operands, sizes)

@@ -199,9 +199,9 @@ def test_encode_kernels_bit_identical(n, block, tile):
 
 @pytest.mark.parametrize("block", [256, 96])
 def test_sign_scales_are_the_mean_and_never_overflow(block):
-    """``row_scales``: each row's ``mean |x + e|`` (to fp32 round-off), also where the row's sum overflows fp32 while its mean does not;
-    Inf and NaN rows stay so. (Every kernel mode takes its scales from this function:
-    test_encode_kernels_bit_identical.)"""
+    """``row_scales``: each row's ``mean |x + e|`` (to fp32 round-off), also where the
+    row's sum overflows fp32 while its mean does not; Inf and NaN rows stay so. (Every
+    kernel mode takes its scales from this function: test_encode_kernels_bit_identical.)"""
     rng = np.random.default_rng(block)
     x = rng.standard_normal((6, block)).astype(np.float32)
     e = rng.standard_normal((6, block)).astype(np.float32)
