@@ -37,7 +37,7 @@ from jax import lax
 
 from commjax.kernels._dispatch import dispatch, fence, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
-from commjax.kernels.reference import row_constants
+from commjax.kernels.reference import feedback_sum, row_constants
 
 __all__ = ["FP8_FORMATS", "Fp8Format", "fp8_blocks", "fp8_reference", "fp8_decode"]
 
@@ -99,8 +99,9 @@ def _constants(x, residual, fmt: Fp8Format):
 def fp8_reference(x, uniforms, residual, *, fmt: str, output: Optional[str]):
     """Scaled FP8 rows of ``x`` (maths in the module docstring): ``(rows, out | None)``."""
     f = FP8_FORMATS[fmt]
-    c, step, scale_word = _constants(x, residual, f)
-    return fp8_tile(x, uniforms, residual, c, step, scale_word, fmt=f, output=output)
+    y = feedback_sum(x, residual)  # one reshape per consumer: see feedback_sum
+    c, step, scale_word = _constants(y.reshape(x.shape), None, f)
+    return fp8_tile(y.reshape(x.shape), uniforms, None, c, step, scale_word, fmt=f, output=output)
 
 
 def _pallas(x, uniforms, residual, *, fmt: str, output, tile, interpret: Any = False):

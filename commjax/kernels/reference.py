@@ -35,6 +35,7 @@ from commjax.kernels._dispatch import fence
 
 __all__ = [
     "safe_recip",
+    "feedback_sum",
     "row_constants",
     "quantize_reference",
     "row_scales",
@@ -55,16 +56,32 @@ def safe_recip(s: jax.Array, numerator: float = 1.0) -> jax.Array:
 # --------------------------------------------------------------------------- quantize
 
 
+def feedback_sum(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
+    """``y = x + e`` of rows ``[nb, B]``, as a flat ``float32[nb * B]``: each consumer
+    reshapes it to rows itself (``y.reshape(x.shape)``, one reshape per consumer).
+
+    Why flat: where a consumer takes the flat ``y`` as it is (the conditional of
+    :func:`row_scales`), XLA's CPU fusion writes ``y`` once and the scale reduction, the
+    packing and the residual each read it. Added in row shape, the sum is fused, as
+    ``add(bitcast x, bitcast e)``, into the packing and the residual as well, which then
+    read ``x`` and ``e`` again: two more passes over the block per sign encode
+    (``benchmarks/step_traffic.py``). The quantizers' packing and residual still form
+    ``y`` themselves inside a training step, either way. The bits are the same.
+    """
+    flat = x.reshape(-1)
+    return flat if residual is None else flat + residual.astype(jnp.float32).reshape(-1)
+
+
 def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: int):
     """Per-row ``(s, L / s, s / L)`` of ``y = x + e`` (``L / s`` is 0 where ``s = 0``).
 
     ``max |y|`` is exact in any order; the two quotients are XLA's. Kernels take them as
     inputs (one extra read of ``x`` and ``e``) rather than dividing themselves.
     """
-    y = x if residual is None else x + residual.astype(jnp.float32)
-    # XLA's CPU max drops NaN inside some fusions: a NaN counts as +inf in the max, and a
-    # non-finite block's scale is NaN, so the block decodes to NaN instead of a finite code
-    # (one reduction, fused with y = x + e).
+    y = feedback_sum(x, residual).reshape(x.shape)
+    # XLA's CPU max (a YNNPACK reduction) drops NaN, wherever it sits in the row: a NaN
+    # counts as +inf in the max, and a non-finite block's scale is NaN, so the block
+    # decodes to NaN instead of a finite code.
     scale = jnp.max(jnp.where(jnp.isnan(y), jnp.inf, jnp.abs(y)), axis=1)
     scale = jnp.where(jnp.isinf(scale), jnp.nan, scale)
     # Where L / s would be subnormal (flushed to zero on CPU) the block cannot be encoded:
@@ -86,9 +103,9 @@ def quantize_reference(
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """Blockwise absmax quantization of the rows of ``x`` (maths in
     :mod:`commjax.kernels.quantize`): ``(rows, decoded | residual | None)``."""
-    if residual is not None:
-        x = x + residual.astype(jnp.float32)
-    scale, c, step = row_constants(x, None, levels=levels)
+    y = feedback_sum(x, residual)
+    scale, c, step = row_constants(y.reshape(x.shape), None, levels=levels)
+    x = y.reshape(x.shape)
     c = c[:, None]
     q = fence(x * c, c)
     r = jnp.floor(q + uniforms) if uniforms is not None else jnp.round(q)
@@ -121,12 +138,12 @@ def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
     read once more per step. For a power-of-two ``B`` both orders give the same bits
     (scaling by a power of two commutes with rounding), down to subnormal terms.
     """
-    if residual is not None:
-        x = x + residual.astype(jnp.float32)
-    inv = 1.0 / x.shape[1]
-    total = jnp.sum(jnp.abs(x), axis=1)
-    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: jnp.sum(jnp.abs(v) * inv, axis=1),
-                     lambda v: total * inv, x)
+    y, shape = feedback_sum(x, residual), x.shape
+    inv = 1.0 / shape[1]
+    total = jnp.sum(jnp.abs(y.reshape(shape)), axis=1)
+    # The flat sum is the conditional's operand (see feedback_sum).
+    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: jnp.sum(jnp.abs(v.reshape(shape)) * inv, axis=1),
+                     lambda v: total * inv, y)
     return scale[:, None]
 
 
@@ -136,9 +153,9 @@ def sign_reference(
     """Scaled sign of the rows of ``x`` (maths in :mod:`commjax.kernels.sign`).
 
     ``(2 b - 1) * s`` is ``+-s`` exactly, so the decoded value needs no fence."""
-    if residual is not None:
-        x = x + residual.astype(jnp.float32)
-    scale = row_scales(x, None)
+    y = feedback_sum(x, residual)
+    scale = row_scales(y.reshape(x.shape), None)
+    x = y.reshape(x.shape)
     bits = (x >= 0).astype(jnp.uint32)
     words = packing.pack_codes(bits, 1)
     rows = jnp.concatenate([words, lax.bitcast_convert_type(scale, jnp.uint32)], axis=1)
