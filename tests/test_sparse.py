@@ -16,7 +16,8 @@ from commjax import _compat
 from commjax.accounting import collective_bytes
 from commjax.compressors.base import Compressor, Segment
 from commjax.compressors.exact import identity
-from commjax.compressors.sparse import exact_top_k, random_k, threshold, top_k
+from commjax.compressors.sparse import (TWO_STAGE_MIN_WORK, exact_top_k, random_k, threshold, top_k,
+                                        two_stage_top_k)
 from commjax.layout import shard_state, state_specs
 from commjax.plan import communication_plan
 from commjax.testing import flat_residual, noniid_classification, train
@@ -508,6 +509,9 @@ def test_two_stage_top_k_is_lax_top_k(kind):
         v[:, 5000:9000] *= 100.0  # 4000 of the top 3000 in four sub-rows
     if kind == "ties":
         v = np.round(v * 4)
-    got = np.asarray(jax.jit(exact_top_k, static_argnums=1)(jnp.asarray(v), 3001))
+    got = np.asarray(jax.jit(two_stage_top_k, static_argnums=1)(jnp.asarray(v), 3001))
     want = np.asarray(jax.lax.top_k(jnp.asarray(v), 3001)[1])
     np.testing.assert_array_equal(got, want)
+    # exact_top_k takes one lax.top_k at this size (3001 * 300001 < TWO_STAGE_MIN_WORK).
+    assert 3001 * v.shape[1] < TWO_STAGE_MIN_WORK
+    np.testing.assert_array_equal(np.asarray(jax.jit(exact_top_k, static_argnums=1)(jnp.asarray(v), 3001)), want)

@@ -178,14 +178,27 @@ class _SparseDecode:
             total = _add_entries(total, pos, val if divide == 1 else val / divide)
         return total
 
-#: Row width of the two-stage exact top-k, and the smallest domain it is used for.
+#: Row width of the two-stage exact top-k.
 _ROW = 1024
-_TWO_STAGE_MIN = 1 << 16
+#: The two-stage selection pays off only for long rows with many entries kept, from
+#: ``m * k`` of about this much (a row of ``m`` elements, ``k`` kept); below it one
+#: ``lax.top_k`` over the row is faster on CPU (``benchmarks/top_k_select.py``).
+TWO_STAGE_MIN_WORK = 1 << 39
 
 
 def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
-    """``lax.top_k(mag, k)[1]`` (positions of the ``k`` largest of each row of ``[R, m]``,
-    largest first, the lower position first among equals), without sorting long rows.
+    """``lax.top_k(mag, k)[1]`` as int32 (positions of the ``k`` largest of each row of
+    ``[R, m]``, largest first, the lower position first among equals): one ``lax.top_k``,
+    or :func:`two_stage_top_k` (the same positions) where that is faster: ``m * k`` at
+    least :data:`TWO_STAGE_MIN_WORK` and ``k`` at most ``m / 8``."""
+    m = mag.shape[1]
+    if m * k < TWO_STAGE_MIN_WORK or k * 8 > m:
+        return lax.top_k(mag, k)[1].astype(jnp.int32)
+    return two_stage_top_k(mag, k)
+
+
+def two_stage_top_k(mag: jax.Array, k: int) -> jax.Array:
+    """``lax.top_k(mag, k)[1]`` as int32, without sorting long rows.
 
     A long row is cut into sub-rows of :data:`_ROW` elements; each offers its ``c`` largest
     as candidates (``lax.top_k`` on short rows), and the ``k`` largest candidates are
@@ -195,8 +208,6 @@ def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
     ties break toward the lower position exactly as ``lax.top_k`` does.
     """
     rows, m = mag.shape
-    if m < _TWO_STAGE_MIN or k * 8 > m:
-        return lax.top_k(mag, k)[1].astype(jnp.int32)
     sub = -(-m // _ROW)
     c = min(_ROW, max(16, 4 * -(-k // sub)))
     padded = jnp.pad(mag, ((0, 0), (0, sub * _ROW - m)), constant_values=-1.0)
@@ -206,7 +217,6 @@ def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
     idx = jnp.take_along_axis(pos, pick, axis=1)
     exact = jnp.all(pick % c != c - 1)
     return lax.cond(exact, lambda: idx, lambda: lax.top_k(mag, k)[1].astype(jnp.int32))
-
 
 
 # ------------------------------------------------------------------------------- top-k
