@@ -78,13 +78,20 @@ def check_unreduced(leaves: Sequence[Any], axis_name: Any, where: str) -> None:
 
 
 def all_finite(x: jax.Array) -> jax.Array:
-    """``jnp.all(jnp.isfinite(x))``, mostly from one sum: a finite sum proves every element
-    finite, and a reduction to one number is several times cheaper than the elementwise
-    test on CPU. Only a non-finite sum (a NaN or Inf, or an overflow) runs the
-    elementwise test to decide."""
-    total = jnp.sum(x, dtype=jnp.float32)
-    return lax.cond(jnp.isfinite(total), lambda v: jnp.isfinite(total),
-                    lambda v: jnp.all(jnp.isfinite(v)), x)
+    """``jnp.all(jnp.isfinite(x))`` from one sum that cannot overflow: ``x - x`` is ``+0``
+    where ``x`` is finite and NaN where it is NaN or infinite, and a sum is NaN exactly
+    when one of its terms is. One reduction, no select and no conditional: XLA reads ``x``
+    once where it is, while a conditional (the elementwise test behind an overflowing
+    sum, as this function once ran) takes ``x`` as a buffer, and a value that was fused
+    away is then written out for it (DiLoCo's outer step wrote each leaf of its mean
+    twice). Integer and boolean arrays are finite."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.ones((), bool)
+    d = x - x
+    if jnp.issubdtype(d.dtype, jnp.complexfloating):
+        d = d.real + d.imag
+    return jnp.logical_not(jnp.isnan(jnp.sum(d, dtype=jnp.float32)))
 
 
 def keep_if(bad: jax.Array, old: Any, new: Any) -> Any:
