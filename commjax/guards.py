@@ -22,6 +22,7 @@ __all__ = [
     "check_bound",
     "check_unreduced",
     "all_finite",
+    "all_finite_elementwise",
     "keep_if",
     "check_not_in_replica_conditional",
 ]
@@ -92,6 +93,19 @@ def all_finite(x: jax.Array) -> jax.Array:
     if jnp.issubdtype(d.dtype, jnp.complexfloating):
         d = d.real + d.imag
     return jnp.logical_not(jnp.isnan(jnp.sum(d, dtype=jnp.float32)))
+
+
+def all_finite_elementwise(x: jax.Array) -> jax.Array:
+    """``jnp.all(jnp.isfinite(x))`` as written: XLA fuses the test into the computation of
+    ``x`` and writes one byte per element for the reduction. For a value the step computes
+    but never writes out otherwise (an inner optimizer's update, recomputed inside the
+    fusion that applies it), that costs less than :func:`all_finite`, whose reduction
+    needs ``x`` itself in memory; for an array already in memory, :func:`all_finite`
+    reads only ``x``."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.ones((), bool)
+    return jnp.all(jnp.isfinite(x))
 
 
 def keep_if(bad: jax.Array, old: Any, new: Any) -> Any:

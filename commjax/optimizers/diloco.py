@@ -175,7 +175,8 @@ def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
     is NaN on every leaf of this replica and keeps its inner state."""
     inner_state = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
     u_in, new_inner = cfg.inner.update(updates, inner_state, params)
-    ok = _all_finite(u_in)
+    leaves = jax.tree_util.tree_leaves(u_in)
+    ok = jnp.all(jnp.stack([guards.all_finite_elementwise(u) for u in leaves])) if leaves else jnp.asarray(True)
     new_inner = guards.keep_if(jnp.logical_not(ok), inner_state, new_inner)
     u_in = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), u_in)
     return u_in, new_inner, optax.apply_updates(params, u_in)
