@@ -113,9 +113,11 @@ def _vary_marked(tree: Any, axis_name: Any) -> Any:
     return jax.tree_util.tree_map(lambda x, m: _compat.vary(x, axis_name) if m else x, tree, mask)
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def _all_finite(tree: Any, test=guards.all_finite) -> jax.Array:
+    """Whether every leaf passes ``test`` (``guards.all_finite`` for arrays in memory,
+    ``guards.all_finite_elementwise`` for values fused into their consumers)."""
     leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.all(jnp.stack([guards.all_finite(l) for l in leaves])) if leaves else jnp.asarray(True)
+    return jnp.all(jnp.stack([test(l) for l in leaves])) if leaves else jnp.asarray(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +177,7 @@ def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
     is NaN on every leaf of this replica and keeps its inner state."""
     inner_state = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
     u_in, new_inner = cfg.inner.update(updates, inner_state, params)
-    leaves = jax.tree_util.tree_leaves(u_in)
-    ok = jnp.all(jnp.stack([guards.all_finite_elementwise(u) for u in leaves])) if leaves else jnp.asarray(True)
+    ok = _all_finite(u_in, guards.all_finite_elementwise)
     new_inner = guards.keep_if(jnp.logical_not(ok), inner_state, new_inner)
     u_in = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), u_in)
     return u_in, new_inner, optax.apply_updates(params, u_in)
