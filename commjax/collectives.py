@@ -644,6 +644,12 @@ class Reducer:
     def reduce(self, codec, parts, segments, **kwargs) -> PartsResult:
         raise NotImplementedError
 
+    def reports_finite(self, codec: Compressor) -> bool:
+        """Whether :meth:`reduce` returns :attr:`PartsResult.finite` for ``codec``: then a
+        non-finite input on any replica is already flagged on every replica by what they
+        all receive, and the transform sends no flags of its own."""
+        return False
+
 
 def _local_parts(codec, parts, segments, residuals, key):
     """Encode every part (with feedback when ``residuals``): ``(words, locals_or_res)``."""
@@ -699,6 +705,16 @@ class AllReduce(Reducer):
         return PartsResult(flat_bucket.cut(total, segments), outs, _empty(server_residual))
 
 
+def tells_finite(codec: Compressor) -> bool:
+    """Whether ``codec``'s :meth:`~Compressor.payload_finite` can tell (is not ``None``):
+    asked of the method itself, on the abstract words of one block, so that the answer
+    cannot disagree with what the reducers read."""
+    if not isinstance(codec, BlockCompressor):
+        return False
+    words = jax.ShapeDtypeStruct((codec.payload_words(codec.alignment),), jnp.uint32)
+    return jax.eval_shape(codec.payload_finite, words) is not None
+
+
 def _payload_finite(codec: Compressor, words: list) -> Optional[list]:
     """Per segment: all its payload scales finite (every replica holds the same words);
     ``None`` for a codec that cannot tell from its words."""
@@ -722,6 +738,9 @@ class AllGather(Reducer):
     def bytes(self, codec, n, num_replicas, segments=None):
         m = self.padded_length(codec, n, num_replicas)
         return ring_bytes("all-gather", codec.payload_bytes(m, segments), num_replicas)
+
+    def reports_finite(self, codec):
+        return tells_finite(codec)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
                server_residual=None, server_error_feedback=True):
@@ -836,6 +855,11 @@ class TwoPhase(Reducer):
         server = self._server(codec).payload_bytes(m // num_replicas)
         return ring_bytes("all-to-all", num_replicas * chunk, num_replicas) + ring_bytes(
             "all-gather", server, num_replicas) + _flag_bytes(codec, num_replicas)
+
+    def reports_finite(self, codec):
+        # A non-finite block decodes to non-finite values on its owner, whose sum then
+        # encodes to a non-finite scale in the all-gathered words.
+        return isinstance(codec, BlockCompressor) and tells_finite(self._server(codec))
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
                server_residual=None, server_error_feedback=True):

@@ -12,7 +12,10 @@ number of replicas, so it is computed at trace time (and by users, to report byt
   (``segments``) that is reduced in one go: one payload, one set of collectives (block
   codecs and PowerSGD never write the joined float vector, only its payload);
 * one fp32 flag per compressed leaf rides along in the exact bucket's all-reduce, so a
-  NaN/Inf on any replica is seen by all of them at no extra collective.
+  NaN/Inf on any replica is seen by all of them at no extra collective; unless what every
+  replica receives already tells (``finite_flags`` False): a block codec's scale words,
+  PowerSGD's factors. A non-finite input makes its block's scale, or its factors,
+  non-finite, and the test of the inputs would cost one more read of every compressed leaf.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class CommunicationPlan:
     #: The :class:`commjax.collectives.Reducer` behind ``reducer`` (None: an exchange or
     #: one replica).
     reducer_impl: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: One NaN flag per compressed leaf rides in the exact all-reduce (see the module).
+    finite_flags: bool = False
 
     @property
     def num_compressed(self) -> int:
@@ -133,6 +138,20 @@ def _compressed_route(compressor: Compressor, reducer: str, n: int, num_replicas
     return obj, red, comp_bytes, server
 
 
+def _mean_reports_finite(compressor: Compressor, obj: Any, red: str, num_replicas: int) -> bool:
+    """Whether the compressed stage flags a non-finite input on every replica by itself:
+    a codec that encodes each leaf on its own (``leaf_local``) through an exchange, or
+    through a reducer whose received words tell (:meth:`Reducer.reports_finite`). Not a
+    lossless codec sent by the exact all-reduce, nor one replica (nothing received)."""
+    if num_replicas <= 1 or not compressor.leaf_local:
+        return False
+    if exchange_for(compressor) is not None:
+        return True
+    if compressor.lossless and red in ("allreduce", "none"):
+        return False
+    return obj is not None and obj.reports_finite(compressor)
+
+
 def make_plan(
     leaves: Sequence[Any],
     compressor: Compressor,
@@ -164,12 +183,13 @@ def make_plan(
             elements, is_wide = exact_elements(jnp.result_type(leaf), size)
             exact += elements
             wide = wide or is_wide
-    if check_finite and segments:
+    n = offset
+    obj, red, comp_bytes, server = _compressed_route(compressor, reducer, n, num_replicas, segments)
+    flags = bool(check_finite and segments) and not _mean_reports_finite(compressor, obj, red, num_replicas)
+    if flags:
         exact += len(segments)
     if compressor.shared_randomness and segments and num_replicas > 1:
         exact += 4  # replica 0's key, shared through the exact all-reduce
-    n = offset
-    obj, red, comp_bytes, server = _compressed_route(compressor, reducer, n, num_replicas, segments)
     # One bucket: fp32, or float64 throughout when a float64 leaf is in it.
     exact_bytes = ring_bytes("all-reduce", (8 if wide else 4) * exact, num_replicas) if exact else 0.0
     return CommunicationPlan(
@@ -185,6 +205,7 @@ def make_plan(
         compressed_bytes=float(comp_bytes),
         exact_bytes=float(exact_bytes),
         reducer_impl=obj,
+        finite_flags=flags,
     )
 
 

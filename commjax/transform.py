@@ -241,7 +241,7 @@ def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: in
     operands of the same collective."""
     exact_idx = [i for i, r in enumerate(plan.routes) if r == EXACT]
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
-    local_ok = [guards.all_finite(leaves[i]) for i in comp_idx] if cfg.check_finite else []
+    local_ok = [guards.all_finite(leaves[i]) for i in comp_idx] if plan.finite_flags else []
     flags = [jnp.where(ok, 0.0, 1.0).reshape(1) for ok in local_ok]
     direct = comp_idx if _direct(cfg, plan) else []
     parts, owners = [], []
@@ -317,7 +317,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     segs = plan.segments
     parts = [jnp.pad(jnp.ravel(leaves[i]).astype(jnp.float32), (0, s.padded_size - s.size))
              for i, s in zip(comp_idx, segs)]
-    if cfg.check_finite and not cfg.compressor.leaf_local:
+    if plan.finite_flags and not cfg.compressor.leaf_local:
         # A non-finite leaf would spoil the others' encoding: it contributes zeros.
         # Decided once for the bucket (a select inside the fusion that joins it is slow).
         ok = exact.local_ok
@@ -372,19 +372,24 @@ def _means(cfg, plan, exact: _Exact, comp: Optional[_Compressed], n_rep) -> list
     return list(comp.means)
 
 
-def _bad_flags(cfg, exact: _Exact, comp: Optional[_Compressed]) -> list:
-    """Per compressed leaf, replicated: non-finite on some replica before the exchange, or
-    after it (a block that could not be encoded, factors that overflowed): read from the
-    payloads' scale words, or from an exchange's factors. Both are identical on every
-    replica, so every replica decides the same. (Sparse codecs send the values themselves:
-    finite inputs give finite means.)"""
-    if not cfg.check_finite:
+def _bad_flags(cfg, plan: CommunicationPlan, exact: _Exact, comp: Optional[_Compressed]) -> list:
+    """Per compressed leaf, replicated: non-finite on some replica before the exchange (the
+    flags of the exact stage), or after it (a block that could not be encoded, factors
+    that overflowed): read from the payloads' scale words, or from an exchange's factors.
+    Both are identical on every replica, so every replica decides the same. Without flags
+    (``plan.finite_flags`` False) the latter alone: a non-finite input makes them
+    non-finite. (Sparse codecs send the values themselves: finite inputs give finite
+    means.)"""
+    if not cfg.check_finite or not plan.segments:
         return []
-    if comp is None:
+    after = None if comp is None else comp.finite
+    if not plan.finite_flags:
+        if after is None:
+            raise AssertionError("the plan sends no finite flags, but the exchange reports none")
+        return [jnp.logical_not(f) for f in after]
+    if after is None:
         return list(exact.global_bad)
-    if comp.finite is not None:
-        return [jnp.logical_or(b, jnp.logical_not(f)) for b, f in zip(exact.global_bad, comp.finite)]
-    return list(exact.global_bad)
+    return [jnp.logical_or(b, jnp.logical_not(f)) for b, f in zip(exact.global_bad, after)]
 
 
 def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Compressed], means, bad):
@@ -434,7 +439,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
                 jax.random.fold_in(exact.shared_key, _INIT_SALT))
         comp = _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact)
     means = _means(cfg, plan, exact, comp, n_rep)
-    bad = _bad_flags(cfg, exact, comp)
+    bad = _bad_flags(cfg, plan, exact, comp)
     any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
     out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, means, bad)
     server, cs = state.server_residual, state.compressor_state
@@ -540,10 +545,12 @@ def compressed_mean(
       compress_vectors: also compress 1-D leaves of at least ``min_compress_size``.
       residual_dtype: ``jnp.float32`` (default) or ``jnp.bfloat16`` to halve its memory.
       server_error_feedback: the two-phase reducer's second residual (default True).
-      check_finite: share one NaN/Inf flag per compressed leaf (rides in the exact
-        bucket): a non-finite gradient on any replica makes that leaf's mean NaN on every
-        replica, and the residuals keep their previous value on that step. ``False``
-        skips the test (one reduction per leaf): a non-finite value then goes through the
+      check_finite: a non-finite gradient on any replica makes that leaf's mean NaN on
+        every replica, and the residuals keep their previous value on that step. Read
+        from what every replica receives where it tells (block codecs' scale words,
+        PowerSGD's factors: no extra cost); otherwise one NaN/Inf flag per compressed leaf
+        rides in the exact bucket (one reduction per leaf). ``False`` skips both: a
+        non-finite value then goes through the
         codec as it is, so what the mean becomes depends on the codec (NaN in its block
         for the scaled codecs), still identically on every replica, and it stays in the
         sending replica's residual.

@@ -187,6 +187,21 @@ def test_replicas_identical_and_nan_reaches_every_replica(mesh, steppers, name):
         assert _finite_floats(u) and _agree(name, t, params, state)
 
 
+@pytest.mark.parametrize("name", MEAN_CASES)
+def test_inf_on_one_replica_flags_only_its_leaf(mesh, steppers, name):
+    """-inf in one replica's ``v``: ``v``'s mean is NaN on every replica, the other leaves'
+    are finite and identical, and the state stays finite (whether the flag rode in the exact
+    all-reduce or was read from the received payloads: ``plan.finite_flags``)."""
+    _, f, state = steppers(name)
+    params = _placed(mesh, jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params()))
+    grads = _grads(0)
+    grads["v"][2, 7, 1] = -np.inf
+    new, u, state_bad = ready(*f(params, state, _placed(mesh, grads)))
+    assert np.all(np.isnan(np.asarray(u["v"]))), "the Inf did not reach every replica"
+    assert _finite_floats({k: u[k] for k in ("w", "b")}) and _identical({k: u[k] for k in ("w", "b")})
+    assert _finite_floats(state_bad), "the state was poisoned"
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_state_layout_and_checkpoint_round_trip(mesh, steppers, name, tmp_path):
     tx, f, state = steppers(name)

@@ -413,7 +413,8 @@ def test_matrix_dims_on_a_conv_kernel(mesh):
     report = cj.collective_bytes(step, grads, state)
     sizes = [c.operand_bytes for c in report.of_kind("all-reduce")]
     assert 4 * 9 * 4 in sizes  # P; XLA may fuse the exact bucket into Q's
-    assert sum(sizes) == 4 * (1 + 4 + 9 * 4 + 128 * 4)  # exact bucket: a NaN flag, replica 0's key
+    # The exact bucket: replica 0's key only (no NaN flag: the factors tell).
+    assert sum(sizes) == 4 * (4 + 9 * 4 + 128 * 4)
     plan = cj.communication_plan(comp, params, N, min_compress_size=64)
     assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-12)
 
@@ -466,10 +467,10 @@ def test_hlo_bytes_four_1024_layers(mesh, rank, min_ratio):
     assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-12)
     ars = report.of_kind("all-reduce")
     assert len(report) == len(ars) and report.dtypes == {"f32"}
-    # The exact bucket (biases, NaN flags, replica 0's key), all P, all Q; XLA may fuse the
-    # bucket into Q's.
+    # The exact bucket (biases, replica 0's key; no NaN flags: the factors tell), all P,
+    # all Q; XLA may fuse the bucket into Q's.
     assert 4 * 4 * 1024 * rank in [c.operand_bytes for c in ars]
-    assert sum(c.operand_bytes for c in ars) == 4 * (4 * 1024 + 4 + 4) + 2 * 4 * 4 * 1024 * rank
+    assert sum(c.operand_bytes for c in ars) == 4 * (4 * 1024 + 4) + 2 * 4 * 4 * 1024 * rank
     exact_tx = cj.compressed_mean(cj.identity(), AXIS)
     eg, es = _global_sds(exact_tx, params, mesh)
     exact = cj.collective_bytes(_step_fn(exact_tx, es, mesh), eg, es).total_ring_bytes

@@ -22,7 +22,8 @@ Communication per device: 0 on most steps; on a fragment's send step the exact f
 mean of that fragment (``2 (N-1)/N * 4 n_f`` bytes, ``n_f <= ceil(n/P)``: at most ``1/P``
 of a DiLoCo sync, plus one element) or the bytes of :func:`commjax.compressed_mean` with
 the chosen compressor on the fragment's pieces (``1/P`` of a sync up to the reducer's
-granule of ``block * N`` elements and one fp32 NaN flag per cut piece). The average per
+granule of ``block * N`` elements, and one fp32 NaN flag per cut piece for a codec whose
+payloads cannot tell a non-finite block). The average per
 inner step is a DiLoCo sync divided by ``H``, as in DiLoCo (:func:`streaming_diloco_bytes`).
 
 With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is :func:`commjax.diloco`, bit for bit.
@@ -545,8 +546,8 @@ def streaming_diloco(
     Bytes per device (:func:`streaming_diloco_bytes`): on fragment ``f``'s send step the
     exact mean of its ``n_f <= ceil(n/P)`` elements, ``2 (N-1)/N * 4 n_f``, or the
     compressor's bytes for its pieces; 0 on other steps; a peak of ``1/P`` of a DiLoCo sync
-    (exact; compressed up to the granule of ``block * N`` elements and a NaN flag per
-    piece) and the same average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name``
+    (exact; compressed up to the granule of ``block * N`` elements, and a NaN flag per
+    piece where the codec's payloads cannot tell) and the same average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name``
     adds an exact all-reduce of the gradients over the fast axis every step,
     ``2 (M-1)/M * 4 n``, or with ``inner_compressor`` that compressor's bytes for the
     gradients (:func:`streaming_diloco_bytes` with ``inner_compressor``). Its residuals
