@@ -32,7 +32,7 @@ from commjax import kernels as _kernels
 from commjax import noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
 from commjax.validation import check_bool
-from commjax.kernels.reference import safe_recip
+from commjax.kernels.reference import row_absmax, safe_recip
 from commjax.packing import packed_words
 
 __all__ = ["Quantize", "QSGD", "TernGrad", "quantize", "qsgd", "terngrad"]
@@ -249,7 +249,7 @@ class TernGrad(_ScaledCodec):
         sigma = jnp.std(blocks, axis=1, keepdims=True)
         bound = self.clip_sigma * sigma
         blocks = jnp.clip(blocks, -bound, bound)
-        scale = jnp.max(jnp.abs(blocks), axis=1)
+        scale = row_absmax(blocks)  # NaN where the block holds one (a float max may drop it)
         lv = jnp.clip(_round_levels(blocks, safe_recip(scale)[:, None], key, True, start), -1, 1)
         return self._pack(lv, scale)
 

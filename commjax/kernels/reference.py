@@ -38,6 +38,7 @@ __all__ = [
     "feedback_sum",
     "row_constants",
     "quantize_reference",
+    "row_absmax",
     "row_scales",
     "sign_reference",
     "row_steps",
@@ -72,17 +73,32 @@ def feedback_sum(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
     return flat if residual is None else flat + residual.astype(jnp.float32).reshape(-1)
 
 
+def row_absmax(y: jax.Array) -> jax.Array:
+    """``float32[nb]``: each row's ``max |y|``; NaN where the row holds a NaN.
+
+    Taken on the bit patterns: with the sign bit cleared, float32 patterns order as int32
+    the way ``|y|`` does, NaN's above ``+inf``. So the max is exact and a NaN anywhere in
+    the row wins, where XLA's CPU float max (a YNNPACK reduction) drops it. In two steps,
+    over 8 then over the rest, split by a barrier: XLA fuses the reduction over 8 into
+    the loop that forms ``y`` (reading ``x`` and ``e`` once, writing an eighth), while a
+    whole-row reduction is rewritten into a reduce-window that takes ``|y|`` written out
+    first: one more write and read of the block per step (``benchmarks/step_traffic.py``).
+    """
+    bits = lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+    nb, b = bits.shape
+    step = 8 if b % 8 == 0 else b
+    part = lax.optimization_barrier(jnp.max(bits.reshape(nb, b // step, step), axis=2))
+    return lax.bitcast_convert_type(jnp.max(part, axis=1), jnp.float32)
+
+
 def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: int):
     """Per-row ``(s, L / s, s / L)`` of ``y = x + e`` (``L / s`` is 0 where ``s = 0``).
 
     ``max |y|`` is exact in any order; the two quotients are XLA's. Kernels take them as
     inputs (one extra read of ``x`` and ``e``) rather than dividing themselves.
     """
-    y = feedback_sum(x, residual).reshape(x.shape)
-    # XLA's CPU max (a YNNPACK reduction) drops NaN, wherever it sits in the row: a NaN
-    # counts as +inf in the max, and a non-finite block's scale is NaN, so the block
-    # decodes to NaN instead of a finite code.
-    scale = jnp.max(jnp.where(jnp.isnan(y), jnp.inf, jnp.abs(y)), axis=1)
+    scale = row_absmax(feedback_sum(x, residual).reshape(x.shape))
+    # A non-finite block's scale is NaN, so the block decodes to NaN instead of a finite code.
     scale = jnp.where(jnp.isinf(scale), jnp.nan, scale)
     # Where L / s would be subnormal (flushed to zero on CPU) the block cannot be encoded:
     # its scale travels as NaN, so it decodes to NaN on every replica and is flagged, never
