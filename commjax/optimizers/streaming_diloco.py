@@ -23,8 +23,8 @@ mean of that fragment (``2 (N-1)/N * 4 n_f`` bytes, ``n_f <= ceil(n/P)``: at mos
 of a DiLoCo sync, plus one element) or the bytes of :func:`commjax.compressed_mean` with
 the chosen compressor on the fragment's pieces (``1/P`` of a sync up to the reducer's
 granule of ``block * N`` elements, and one fp32 NaN flag per cut piece for a codec whose
-payloads cannot tell a non-finite block). The average per
-inner step is a DiLoCo sync divided by ``H``, as in DiLoCo (:func:`streaming_diloco_bytes`).
+payloads cannot tell a non-finite block). The average per inner step is a DiLoCo sync
+divided by ``H``, as in DiLoCo (:func:`streaming_diloco_bytes`).
 
 With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is :func:`commjax.diloco`, bit for bit.
 
@@ -547,11 +547,11 @@ def streaming_diloco(
     exact mean of its ``n_f <= ceil(n/P)`` elements, ``2 (N-1)/N * 4 n_f``, or the
     compressor's bytes for its pieces; 0 on other steps; a peak of ``1/P`` of a DiLoCo sync
     (exact; compressed up to the granule of ``block * N`` elements, and a NaN flag per
-    piece where the codec's payloads cannot tell) and the same average per inner step as DiLoCo, ``sync / H``. ``inner_axis_name``
-    adds an exact all-reduce of the gradients over the fast axis every step,
-    ``2 (M-1)/M * 4 n``, or with ``inner_compressor`` that compressor's bytes for the
-    gradients (:func:`streaming_diloco_bytes` with ``inner_compressor``). Its residuals
-    differ on every device, so lay ``state.inner_exchange`` out over both axes::
+    piece where the codec's payloads cannot tell) and the same average per inner step as
+    DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact all-reduce of the gradients
+    over the fast axis every step, ``2 (M-1)/M * 4 n``, or with ``inner_compressor`` that
+    compressor's bytes for the gradients (:func:`streaming_diloco_bytes` with
+    ``inner_compressor``). Its residuals differ on every device, so lay ``state.inner_exchange`` out over both axes::
 
         s = tx.init(params)
         both = (axis_name, inner_axis_name)
