@@ -551,7 +551,8 @@ def streaming_diloco(
     DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact all-reduce of the gradients
     over the fast axis every step, ``2 (M-1)/M * 4 n``, or with ``inner_compressor`` that
     compressor's bytes for the gradients (:func:`streaming_diloco_bytes` with
-    ``inner_compressor``). Its residuals differ on every device, so lay ``state.inner_exchange`` out over both axes::
+    ``inner_compressor``). Its residuals differ on every device, so lay
+    ``state.inner_exchange`` out over both axes::
 
         s = tx.init(params)
         both = (axis_name, inner_axis_name)
