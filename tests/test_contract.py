@@ -220,9 +220,9 @@ def test_state_layout_and_checkpoint_round_trip(mesh, steppers, name, tmp_path):
                            jax.tree_util.tree_leaves(cj.per_replica_mask(state))):
             if m and l.size:
                 assert g.shape == (N * l.shape[0],) + tuple(l.shape[1:])
-    ckpt = Checkpointer(tmp_path / "ckpt")
-    ckpt.save(1, {"opt": state})
-    back = ckpt.restore({"opt": state})["opt"]
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, {"opt": state})
+        back = ckpt.restore({"opt": state})["opt"]
     assert same_bits(back, state)
 
 

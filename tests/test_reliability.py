@@ -224,17 +224,17 @@ def test_layout_helpers_name_bad_arguments(mesh):
 def test_damaged_checkpoints_are_reported_as_data_loss(tmp_path):
     """A truncated array file or a missing item is data loss, not a template mismatch."""
     tree = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "k": np.arange(3)}
-    ckpt = Checkpointer(tmp_path / "a")
-    ckpt.save(1, tree)
-    with pytest.raises(CheckpointMismatchError, match="in the template"):
-        ckpt.restore({"w": np.zeros((64, 32), np.float32), "k": np.arange(3)})
-    for f in pathlib.Path(tmp_path / "a" / "1" / "state").rglob("*"):
-        if f.is_file() and f.stat().st_size > 1000:
-            f.write_bytes(f.read_bytes()[:100])  # truncate the array data
-    with pytest.raises(CheckpointDataError, match="truncated or corrupted"):
-        Checkpointer(tmp_path / "a").restore(tree)
-    ckpt.save(2, tree)
+    with Checkpointer(tmp_path / "a") as ckpt:
+        ckpt.save(1, tree)
+        with pytest.raises(CheckpointMismatchError, match="in the template"):
+            ckpt.restore({"w": np.zeros((64, 32), np.float32), "k": np.arange(3)})
+        for f in pathlib.Path(tmp_path / "a" / "1" / "state").rglob("*"):
+            if f.is_file() and f.stat().st_size > 1000:
+                f.write_bytes(f.read_bytes()[:100])  # truncate the array data
+        with Checkpointer(tmp_path / "a") as fresh, pytest.raises(CheckpointDataError, match="truncated or corrupted"):
+            fresh.restore(tree)
+        ckpt.save(2, tree)
     for f in sorted(pathlib.Path(tmp_path / "a" / "2" / "meta").rglob("*"), reverse=True):
         f.unlink() if f.is_file() else f.rmdir()
-    with pytest.raises(CheckpointDataError, match="metadata"):
-        Checkpointer(tmp_path / "a").restore(tree, step=2)
+    with Checkpointer(tmp_path / "a") as fresh, pytest.raises(CheckpointDataError, match="metadata"):
+        fresh.restore(tree, step=2)
