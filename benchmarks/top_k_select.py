@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from _results import write_results  # noqa: E402
-from commjax.compressors.sparse import TWO_STAGE_MIN_WORK, two_stage_top_k  # noqa: E402
+from commjax.compressors.sparse import TWO_STAGE_MIN_WORK, two_stage_top_k, uses_two_stage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "top_k_select.json"
 CASES = [(1 << e, r) for e in (16, 18, 20, 22) for r in (0.001, 0.01, 0.1)] + [
@@ -62,7 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         k = max(1, int(round(ratio * m)))
         two = median_ms(lambda v: two_stage_top_k(v, k), x, args.repeats)
         one = median_ms(lambda v: lax.top_k(v, k)[1], x, args.repeats)
-        chosen = "two-stage" if m * k >= TWO_STAGE_MIN_WORK and k * 8 <= m else "lax.top_k"
+        chosen = "two-stage" if uses_two_stage(m, k) else "lax.top_k"
         rows.append({"m": m, "k": k, "ratio": ratio, "two_stage_ms": round(two, 2),
                      "lax_top_k_ms": round(one, 2), "lax_over_two_stage": round(one / two, 3),
                      "chosen": chosen})

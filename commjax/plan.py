@@ -138,17 +138,16 @@ def _compressed_route(compressor: Compressor, reducer: str, n: int, num_replicas
     return obj, red, comp_bytes, server
 
 
-def _mean_reports_finite(compressor: Compressor, obj: Any, red: str, num_replicas: int) -> bool:
+def _mean_reports_finite(compressor: Compressor, obj: Any, num_replicas: int) -> bool:
     """Whether the compressed stage flags a non-finite input on every replica by itself:
     a codec that encodes each leaf on its own (``leaf_local``) through an exchange, or
-    through a reducer whose received words tell (:meth:`Reducer.reports_finite`). Not a
-    lossless codec sent by the exact all-reduce, nor one replica (nothing received)."""
+    through a reducer whose received words tell (:meth:`Reducer.reports_finite`; not the
+    all-reduce that sends a lossless codec's leaves with the exact ones). Not one replica
+    (nothing received)."""
     if num_replicas <= 1 or not compressor.leaf_local:
         return False
     if exchange_for(compressor) is not None:
         return True
-    if compressor.lossless and red in ("allreduce", "none"):
-        return False
     return obj is not None and obj.reports_finite(compressor)
 
 
@@ -185,7 +184,7 @@ def make_plan(
             wide = wide or is_wide
     n = offset
     obj, red, comp_bytes, server = _compressed_route(compressor, reducer, n, num_replicas, segments)
-    flags = bool(check_finite and segments) and not _mean_reports_finite(compressor, obj, red, num_replicas)
+    flags = bool(check_finite and segments) and not _mean_reports_finite(compressor, obj, num_replicas)
     if flags:
         exact += len(segments)
     if compressor.shared_randomness and segments and num_replicas > 1:

@@ -190,11 +190,15 @@ def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
     """``lax.top_k(mag, k)[1]`` as int32 (positions of the ``k`` largest of each row of
     ``[R, m]``, largest first, the lower position first among equals): one ``lax.top_k``,
     or :func:`two_stage_top_k` (the same positions) where that is faster: ``m * k`` at
-    least :data:`TWO_STAGE_MIN_WORK` and ``k`` at most ``m / 8``."""
-    m = mag.shape[1]
-    if m * k < TWO_STAGE_MIN_WORK or k * 8 > m:
+    least :data:`TWO_STAGE_MIN_WORK` and ``k`` at most ``m / 8`` (:func:`uses_two_stage`)."""
+    if not uses_two_stage(mag.shape[1], k):
         return lax.top_k(mag, k)[1].astype(jnp.int32)
     return two_stage_top_k(mag, k)
+
+
+def uses_two_stage(m: int, k: int) -> bool:
+    """Whether :func:`exact_top_k` selects ``k`` of a row of ``m`` in two stages."""
+    return m * k >= TWO_STAGE_MIN_WORK and k * 8 <= m
 
 
 def two_stage_top_k(mag: jax.Array, k: int) -> jax.Array:
