@@ -41,7 +41,7 @@ import optax  # noqa: E402
 import commjax as cj  # noqa: E402
 from _results import write_results  # noqa: E402
 from bandwidth import MODEL, SGD, init_params, make_batch  # noqa: E402
-from commjax.collectives import decode_sum  # noqa: E402
+from commjax.collectives._common import decode_sum  # noqa: E402
 from kernels import timed  # noqa: E402
 
 CODECS = {"int8": lambda: cj.quantize(bits=8), "int4": lambda: cj.quantize(bits=4),

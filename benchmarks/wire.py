@@ -63,7 +63,7 @@ def main(argv=None):
         for name, comp in compressors():
             reducers = ["auto"] if comp.has_exchange else ["auto"] + [
                 r for r in ("allreduce", "allgather", "two_phase")
-                if r in cj.reducers_for(comp)]
+                if r in cj.collectives.valid_reducers(comp)]
             for reducer in reducers:
                 tx = cj.compressed_mean(comp, "data", reducer=reducer)
                 plan = cj.communication_plan(comp, params, n, reducer=reducer)

@@ -46,7 +46,7 @@ from commjax.optimizers.decoupled_momentum import (
 from commjax.optimizers.streaming_diloco import streaming_diloco, streaming_diloco_bytes
 from commjax.optimizers.zero import ZeroState, zero_wire_bytes
 from commjax.plan import CommunicationPlan, communication_plan
-from commjax.collectives import REDUCERS, valid_reducers as reducers_for
+from commjax.collectives import REDUCERS
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
 from commjax.step import DataParallel, TrainState, data_parallel
 
@@ -61,7 +61,7 @@ __all__ = [
     "streaming_diloco", "streaming_diloco_bytes",
     "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "fsdp_wire_bytes",
     "ZeroState", "zero_wire_bytes",
-    "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS", "reducers_for",
+    "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS",
     "communication_plan", "CommunicationPlan",
     "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",

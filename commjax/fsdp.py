@@ -48,6 +48,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from commjax import _compat, collectives as cc
+from commjax.collectives._common import check_codec
+from commjax.guards import check_bound
 from commjax.compressors.base import Compressor
 
 __all__ = ["fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "shard_size",
@@ -252,11 +254,11 @@ def fsdp_gather(
       The full parameters (``like``'s shapes), identical on every replica.
     """
     where = "fsdp_gather"
-    codec = cc.check_codec(codec, where)
-    grad_codec = cc.check_codec(grad_codec, where, "grad_codec")
-    num = cc.check_bound(axis_name, where)
+    codec = check_codec(codec, where)
+    grad_codec = check_codec(grad_codec, where, "grad_codec")
+    num = check_bound(axis_name, where)
     if inner_axis_name is not None:
-        num *= cc.check_bound(inner_axis_name, where)
+        num *= check_bound(inner_axis_name, where)
     leaves, treedef = jax.tree_util.tree_flatten(shard)
     like_leaves = None
     if like is not None:

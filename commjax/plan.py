@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commjax.accounting import exact_mean_bytes, ring_bytes
-from commjax.collectives import choose_reducer
+from commjax.collectives._reducers import choose_reducer
 from commjax.compressors.base import Compressor, Segment
 from commjax.exchanges import exchange_for
 from commjax.validation import check_positive_int
@@ -53,7 +53,7 @@ class CommunicationPlan:
     compressor_name: str
     compressed_bytes: float
     exact_bytes: float
-    #: The :class:`commjax.collectives.Reducer` behind ``reducer`` (None: an exchange or
+    #: The :class:`commjax.collectives._reducers.Reducer` behind ``reducer`` (None: an exchange or
     #: one replica).
     reducer_impl: Any = dataclasses.field(default=None, compare=False, repr=False)
     #: One NaN flag per compressed leaf rides in the exact all-reduce (see the module).

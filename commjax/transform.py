@@ -11,9 +11,9 @@ One step on replica ``i`` of ``N`` (all leaves of the compressed bucket at once)
 In stages, each one function: validate (axes bound, gradients unreduced, state shapes),
 plan (:mod:`commjax.plan`: which leaves are exact, compressed or passed through), the
 inner-axis mean (hierarchical meshes), the exact stage (one fp32 all-reduce of the small
-leaves with one NaN flag per compressed leaf: :func:`commjax.collectives.exact_mean`), the
+leaves with one NaN flag per compressed leaf: :func:`commjax.collectives._exact.exact_mean`), the
 compressed stage (encode with error feedback and reduce:
-:func:`commjax.collectives.reduce_parts`, or a stateful exchange such as PowerSGD's:
+:func:`commjax.collectives._reducers.reduce_parts`, or a stateful exchange such as PowerSGD's:
 :mod:`commjax.exchanges`), then outputs, residuals and metrics.
 
 The compressed leaves form one *bucket* (one payload, one set of collectives), but its
@@ -34,7 +34,8 @@ import optax
 from jax import lax
 
 from commjax import _compat, bucket as flat_bucket, guards, validation
-from commjax.collectives import check_reducer, exact_mean, reduce_parts
+from commjax.collectives._exact import exact_mean
+from commjax.collectives._reducers import check_reducer, reduce_parts
 from commjax.compressors.base import Compressor
 from commjax.exchanges import exchange_for
 from commjax.guards import AxisNotBoundError
@@ -528,7 +529,7 @@ def compressed_mean(
     each replica's own gradient, and replicas would disagree on whether to communicate.
 
     Bytes per step and device: see :func:`commjax.communication_plan` (and
-    :class:`commjax.collectives.Reducer` for the formulas).
+    :class:`commjax.collectives._reducers.Reducer` for the formulas).
 
     Args:
       compressor: a commjax compressor (``cj.quantize(bits=4)``, ``cj.sign()``, ...).

@@ -60,7 +60,7 @@ def _mean_case(codec, reducer):
 def _cases() -> dict:
     out = {}
     for name, codec in CODECS.items():
-        reducers = ["auto"] + [r for r in cj.reducers_for(codec) if r in cj.REDUCERS]
+        reducers = ["auto"] + [r for r in cj.collectives.valid_reducers(codec) if r in cj.REDUCERS]
         if codec.has_exchange or codec.shared_randomness:
             reducers = ["auto"]
         for r in reducers:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import commjax as cj
 from commjax import _compat, bucket
 from commjax.compressors.base import Segment
-from commjax.collectives import get_reducer, reduce_parts
+from commjax.collectives._reducers import get_reducer, reduce_parts
 from commjax.testing import block_codecs, ready
 
 N = 8

@@ -430,7 +430,7 @@ class RandomK(Compressor):
     name: ClassVar[str] = "random_k"
     linear: ClassVar[bool] = True
     shared_randomness: ClassVar[bool] = True
-    # Only the K values travel (commjax.collectives.SharedMask reduces them): decoding
+    # Only the K values travel (commjax.collectives._reducers.SharedMask reduces them): decoding
     # needs the positions, which the shared key gives.
     metric_names: ClassVar[tuple[str, ...]] = ("density",)
 

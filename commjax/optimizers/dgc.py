@@ -38,7 +38,8 @@ from jax import lax
 
 from commjax import bucket as flat_bucket, guards, validation
 from commjax.accounting import ring_bytes
-from commjax.collectives import exact_mean, reduce_parts
+from commjax.collectives._exact import exact_mean
+from commjax.collectives._reducers import reduce_parts
 from commjax.compressors.base import Segment
 from commjax.compressors.sparse import TopK, top_k
 from commjax.layout import per_replica

@@ -31,7 +31,7 @@ import optax
 from jax import lax
 
 from commjax import _compat, guards, validation
-from commjax.collectives import exact_mean
+from commjax.collectives._exact import exact_mean
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica, per_replica_mask
 from commjax.transform import compressed_mean

@@ -71,7 +71,7 @@ import optax
 from jax import lax
 
 from commjax import guards, validation
-from commjax.collectives import exact_mean
+from commjax.collectives._exact import exact_mean
 from commjax.compressors.sign import sign
 from commjax.transform import CompressedMeanState, compressed_mean
 

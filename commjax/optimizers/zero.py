@@ -56,6 +56,7 @@ import optax
 from jax import lax
 
 from commjax import _compat, collectives as cc, guards
+from commjax.collectives._common import check_codec
 from commjax.compressors.base import BlockCompressor, Compressor
 from commjax.fsdp import gather_exact, scatter_exact, shard_size
 from commjax.layout import per_replica
@@ -405,7 +406,7 @@ def _check_codec(codec: Any, argument: str, weights: bool) -> Optional[Compresso
             "every weight from the payload, and a sparsifier sends only some of them. Use a "
             "dense block codec: cj.quantize(bits=8 | 4), cj.cast(), cj.hadamard(cj.quantize(...)), "
             "or None for exact fp32.")
-    codec = cc.check_codec(codec, "zero", argument)
+    codec = check_codec(codec, "zero", argument)
     if codec is None or codec.lossless and codec.linear:
         return None  # the identity: the exact collective
     return codec

@@ -1,0 +1,85 @@
+"""Analytic per-device ring bytes of each compressed collective."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from commjax.accounting import ring_bytes
+from commjax.compressors.base import Compressor, Segment
+from commjax.collectives._common import _flag_bytes, _is_exact, _items
+from commjax.collectives._reducers import choose_reducer
+
+
+# ---------------------------------------------------------------------- wire bytes
+
+
+def wire_bytes(op: str, x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
+               reducer: Any = "auto", inner_size: int = 1,
+               inner_codec: Optional[Compressor] = None) -> float:
+    """Analytic per-device ring bytes of one collective on ``x`` (arrays or
+    ``jax.ShapeDtypeStruct``, as the collective receives them), for ``num_replicas`` on
+    ``axis_name`` (and ``inner_size`` on the inner axis): what the compiled HLO sends
+    (:func:`commjax.collective_bytes`)."""
+    leaves = jax.tree_util.tree_leaves(x)
+    if op == "all_gather":
+        total = _gather_bytes(leaves, codec, num_replicas)
+        if inner_size > 1:
+            grown = [jax.ShapeDtypeStruct((num_replicas * l.shape[0],) + tuple(l.shape[1:]), l.dtype)
+                     for l in leaves]
+            total += _gather_bytes(grown, inner_codec, inner_size)
+        return total
+    if op == "reduce_scatter":
+        total = 0.0
+        if inner_size > 1:
+            total += _scatter_bytes(leaves, inner_codec, inner_size)
+            leaves = [jax.ShapeDtypeStruct((l.shape[0] // inner_size,) + tuple(l.shape[1:]), l.dtype)
+                      for l in leaves]
+        return total + _scatter_bytes(leaves, codec, num_replicas)
+    if op == "all_reduce":
+        total = 0.0
+        if inner_size > 1:
+            total += sum(ring_bytes("all-reduce", _nbytes(l), inner_size) for l in leaves)
+        return total + _reduce_bytes(leaves, codec, num_replicas, reducer)
+    raise ValueError(f"wire_bytes: `op` must be 'all_gather', 'reduce_scatter' or 'all_reduce'; got {op!r}.")
+
+
+def _nbytes(leaf) -> int:
+    return math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
+
+
+def _gather_bytes(leaves, codec, n) -> float:
+    if _is_exact(codec):
+        return sum(ring_bytes("all-gather", _nbytes(l), n) for l in leaves)
+    items = _items(leaves, codec, 1)
+    done = {it.index for it in items}
+    exact = sum(ring_bytes("all-gather", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    return exact + ring_bytes("all-gather", 4 * sum(it.words for it in items), n)
+
+
+def _scatter_bytes(leaves, codec, n) -> float:
+    if _is_exact(codec):
+        return sum(ring_bytes("reduce-scatter", _nbytes(l), n) for l in leaves)
+    items = _items(leaves, codec, n)
+    done = {it.index for it in items}
+    exact = sum(ring_bytes("reduce-scatter", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    return exact + ring_bytes("all-to-all", 4 * n * sum(it.words for it in items), n) + (
+        _flag_bytes(codec, n) if items else 0.0)
+
+
+
+def _reduce_bytes(leaves, codec, n, reducer) -> float:
+    if _is_exact(codec):
+        return sum(ring_bytes("all-reduce", _nbytes(l), n) for l in leaves)
+    items = _items(leaves, codec, 1)
+    done = {it.index for it in items}
+    exact = sum(ring_bytes("all-reduce", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    segments, off = [], 0
+    for it in items:
+        segments.append(Segment(off, it.size, it.padded, it.shape))
+        off += it.padded
+    red = choose_reducer(codec, reducer, max(off, 1), n, segments)
+    return exact + (0.0 if red is None or not off else red.bytes(codec, off, n, segments))

@@ -1,0 +1,195 @@
+"""What every compressed collective shares: codec checks, per-replica keys, rows of a
+payload encoded and decoded, the flat items of a pytree, and the fallback taken when a
+payload overflows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import _compat
+from commjax.accounting import ring_bytes
+from commjax.compressors.base import BlockCompressor, Compressor
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _names(axis_name: Any) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-int(n) // a) * a
+
+
+def _is_exact(codec: Optional[Compressor]) -> bool:
+    return codec is None or (codec.lossless and codec.linear)
+
+
+def _compressible(leaf: Any) -> bool:
+    """Real floating leaves go through a codec; others take the exact collective."""
+    dtype = jnp.result_type(leaf)
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def check_codec(codec: Any, where: str, argument: str = "codec") -> Optional[Compressor]:
+    """``codec`` if it can travel through a collective, else a clear error."""
+    if codec is None:
+        return None
+    if not isinstance(codec, Compressor):
+        raise TypeError(
+            f"{where}: `{argument}` must be a commjax codec such as cj.quantize(bits=8), or "
+            f"None for the exact collective; got {codec!r}."
+        )
+    if codec.has_exchange or codec.shared_randomness:
+        raise ValueError(
+            f"{where}: {codec.name} runs its own exchange (state or a key shared by every "
+            f"replica) and cannot be the codec of a single collective; use it through "
+            f"cj.compressed_mean. Codecs for `{argument}`: cj.quantize, cj.sign, cj.cast, "
+            "cj.qsgd, cj.terngrad, cj.top_k, cj.threshold, cj.identity."
+        )
+    return codec
+
+
+def replica_key(codec: Optional[Compressor], key: Optional[jax.Array], axis_name: Any,
+                where: str) -> Optional[jax.Array]:
+    """The key a stochastic codec encodes with on this replica: ``key`` (the same on every
+    replica) with the replica index folded in; ``None`` for deterministic codecs."""
+    if codec is None or not codec.stochastic:
+        return None
+    if key is None:
+        raise ValueError(
+            f"{where}: {codec.name} rounds stochastically and needs `key=`: pass a PRNG key "
+            "that is the same on every replica (the collective folds in the replica index), "
+            "e.g. jax.random.fold_in(jax.random.key(0), step)."
+        )
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
+def _vary_out(x: Any, axis_name: Any) -> Any:
+    return _compat.vary(x, axis_name)
+
+
+# ------------------------------------------------------------- encoding rows of a payload
+
+
+def encode_rows(codec: Compressor, rows: jax.Array, key: Optional[jax.Array], *,
+                residual: Optional[jax.Array] = None, start: int = 0):
+    """Encode each row of ``float32[R, c]`` on its own (``c`` a multiple of the codec's
+    alignment): ``uint32[R, w]``, with ``w = codec.payload_words(c)``.
+
+    With ``residual`` (``[R, c]``, error feedback) it encodes ``y = rows + residual`` and
+    also returns the new residual ``y - C(y)`` (fp32): ``(words, new_residual)``.
+    Block codecs encode the rows as one vector (noise drawn by position from ``start``);
+    other codecs encode row ``j`` with ``fold_in(key, j)``.
+    """
+    n_rows, c = rows.shape
+    if isinstance(codec, BlockCompressor):
+        flat = rows.reshape(-1)
+        if residual is None:
+            return codec.encode(flat, key, start=start).reshape(n_rows, -1)
+        words, new = codec.encode_feedback(flat, residual.reshape(-1), key, start=start)
+        return words.reshape(n_rows, -1), new.reshape(n_rows, c)
+    if residual is None:
+        return jax.vmap(lambda v, k: codec.encode(v, k))(rows, _row_keys(key, n_rows))
+    return _encode_rows_feedback(codec, rows + residual.astype(jnp.float32), key)
+
+
+def _row_keys(key: Optional[jax.Array], n_rows: int) -> Optional[jax.Array]:
+    return None if key is None else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_rows))
+
+
+def _encode_rows_feedback(codec: Compressor, y: jax.Array, key: Optional[jax.Array]):
+    """A non-block codec's rows ``y = rows + residual``, already formed: ``(words, y - C(y))``."""
+    words, local = jax.vmap(lambda v, k: codec.encode_and_decode(v, k))(y, _row_keys(key, y.shape[0]))
+    return words, y - local
+
+
+def decode_rows(codec: Compressor, words: jax.Array, c: int) -> jax.Array:
+    """``uint32[R, w] -> float32[R, c]``: each row decoded on its own."""
+    n_rows = words.shape[0]
+    if isinstance(codec, BlockCompressor):
+        return codec.decode(words.reshape(-1), n_rows * c).reshape(n_rows, c)
+    return jax.vmap(lambda w: codec.decode(w, c))(words)
+
+
+def decode_sum(codec: Compressor, words: jax.Array, c: int, divide: int = 1) -> jax.Array:
+    """``sum_r decode(words[r], c) / divide`` over the leading axis, in replica order from
+    fp32 zeros, each value divided before it is added (a representable mean never
+    overflows): every replica that holds the same words computes the same bits (the
+    codecs' fused unpack + dequantize + sum kernel where there is one)."""
+    return codec.decode_sum(words, c, divide=divide)
+
+
+# ------------------------------------------------------------------ tree <-> flat items
+
+
+class _Item(NamedTuple):
+    index: int  # position among the tree's leaves
+    shape: tuple
+    dtype: Any
+    size: int  # elements (of the chunk, for reduce_scatter)
+    padded: int  # size rounded up to the codec's alignment
+    words: int  # payload words of `padded` elements
+
+
+def _items(leaves: Sequence[Any], codec: Compressor, divisor: int) -> list[_Item]:
+    out = []
+    for i, leaf in enumerate(leaves):
+        if not _compressible(leaf):
+            continue
+        shape = tuple(jnp.shape(leaf))
+        size = math.prod(shape) // divisor
+        padded = _round_up(max(size, 1), codec.alignment)
+        out.append(_Item(i, shape, jnp.result_type(leaf), size, padded, codec.payload_words(padded)))
+    return out
+
+
+def _check_tiled(leaves: Sequence[Any], n: int, where: str) -> None:
+    for leaf in leaves:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"{where}: every leaf's leading dimension must be a multiple of the number of "
+                f"replicas ({n}); got a leaf of shape {tuple(shape)}. Pad or reshape it first "
+                "(cj.zero and cj.fsdp_gather do this for you)."
+            )
+
+
+
+def _fallback_cond(codec, overflow, coded, raw):
+    """``coded()``, or ``raw()`` (which sends :attr:`Compressor.fallback`'s payload) when
+    ``overflow()`` is true: a replicated flag, so every replica takes the same branch and
+    joins the same collectives. Codecs without a fallback: ``coded()`` alone."""
+    if codec.fallback is None:
+        return coded()
+    return lax.cond(overflow(), raw, coded)
+
+
+def _overflow_anywhere(codec, words, axis_name):
+    """Replicated: some replica's ``words`` overflowed (one fp32 all-reduce of a flag; an
+    all-to-all leaves each replica only its own chunks to read)."""
+    return _compat.psum(codec.payload_overflow(words).astype(jnp.float32), axis_name) > 0
+
+
+
+def _replicated_cotangent(tree, axis_name) -> bool:
+    """Under check_vma=True, whether the cotangent is typed replicated over the axis."""
+    tracked = _compat.varying_axes(lax.axis_index(axis_name))
+    if not tracked:
+        return False
+    leaves = jax.tree_util.tree_leaves(tree)
+    return bool(leaves) and all(
+        not (set(_names(axis_name)) & set(_compat.varying_axes(l) or ())) for l in leaves)
+
+def _flag_bytes(codec, n) -> float:
+    """The fp32 overflow flag a codec with a fallback sums after an all-to-all (the
+    fallback's own collectives run only on overflow: not counted)."""
+    return ring_bytes("all-reduce", 4, n) if codec.fallback is not None else 0.0

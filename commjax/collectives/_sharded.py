@@ -1,0 +1,200 @@
+"""The stages of the sharded collectives: ``all_gather`` and ``reduce_scatter`` over one
+axis or a two-level pair of axes (the public ops and their VJPs: :mod:`.gather`,
+:mod:`.scatter`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from commjax import _compat
+from commjax.compressors.base import Compressor
+from commjax.collectives._common import (
+    _fallback_cond, _is_exact, _items, _names, _overflow_anywhere, _vary_out, decode_rows,
+    decode_sum, encode_rows, replica_key,
+)
+
+
+def _gather_impl(tree, axis_name, codec, key, invariant: bool):
+    """``all_gather`` over one axis (tiled along axis 0, leaves of rank >= 1)."""
+    n = _compat.axis_size(axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    gather = (functools.partial(_compat.all_gather_invariant, axis_name=axis_name, tiled=True)
+              if invariant else
+              (lambda v: lax.all_gather(_vary_out(v, axis_name), axis_name, tiled=True)))
+    if _is_exact(codec):
+        return jax.tree_util.tree_unflatten(treedef, [gather(l) for l in leaves])
+    items = _items(leaves, codec, 1)
+    out = list(leaves)
+    for i in {it.index for it in items} ^ set(range(len(leaves))):
+        out[i] = gather(leaves[i])
+    if items:
+        rkey = replica_key(codec, key, axis_name, "all_gather")
+        flats = [jnp.pad(jnp.ravel(leaves[it.index]).astype(jnp.float32), (0, it.padded - it.size))
+                 for it in items]
+        got = _gather_encoded(codec, flats, items, gather, rkey)
+        vals = _fallback_cond(
+            codec, lambda: codec.payload_overflow(got), lambda: _decode_items(codec, got, items),
+            lambda: _decode_items(codec.fallback, _gather_encoded(codec.fallback, flats, items, gather, None),
+                                  items))
+        for it, v in zip(items, vals):
+            out[it.index] = v.reshape((n * it.shape[0],) + it.shape[1:]).astype(it.dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _gather_encoded(codec, flats, items, gather, rkey):
+    """``[N, W]``: every replica's encoded leaves (replica ``r``'s words in row ``r``)."""
+    words, start = [], 0
+    for flat, it in zip(flats, items):
+        words.append(encode_rows(codec, flat[None], rkey, start=start)[0])
+        start += it.padded
+    return gather(jnp.concatenate(words)[None])
+
+
+def _decode_items(codec, got, items):
+    """Each item's ``[N, size]`` values from the gathered ``[N, W]`` words of ``codec``."""
+    vals, off = [], 0
+    for it in items:
+        words = codec.payload_words(it.padded)
+        vals.append(decode_rows(codec, got[:, off:off + words], it.padded)[:, :it.size])
+        off += words
+    return vals
+
+
+
+def _slice_own(tree, axis_name, inner_axis_name):
+    """This replica's chunk of a replicated (full) tree: the VJP of a gather whose
+    cotangent is typed replicated."""
+    names = _names(axis_name)
+    n_out = _compat.axis_size(axis_name)
+    idx = lax.axis_index(axis_name)
+    n_in = 1
+    if inner_axis_name is not None:
+        n_in = _compat.axis_size(inner_axis_name)
+        idx = lax.axis_index(inner_axis_name) * n_out + idx
+        names = names + _names(inner_axis_name)
+    total = n_out * n_in
+
+    def one(ct):
+        rows = ct.shape[0] // total
+        return lax.dynamic_slice_in_dim(_vary_out(ct, names), idx * rows, rows, axis=0)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+
+def _gather_two_level(tree, cfg: "_GatherConfig", key):
+    outer = _gather_impl(tree, cfg.axis_name, cfg.codec, key, cfg.invariant)
+    if cfg.inner_axis_name is None:
+        return outer
+    inner_key = None if key is None else jax.random.fold_in(key, 2)
+    return _gather_impl(outer, cfg.inner_axis_name, cfg.inner_codec, inner_key, cfg.invariant)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherConfig:
+    axis_name: Any
+    codec: Optional[Compressor]
+    grad_codec: Optional[Compressor]
+    inner_axis_name: Any
+    inner_codec: Optional[Compressor]
+    inner_grad_codec: Optional[Compressor]
+    invariant: bool
+
+
+
+def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
+    """``reduce_scatter`` over one axis, the sum divided by ``divide`` (each value before it
+    is added); returns ``(out, new_residual or None)``."""
+    n = _compat.axis_size(axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
+    def exact(v):
+        out = lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True)
+        return out if divide == 1 else (out / divide).astype(out.dtype)
+
+    if _is_exact(codec):
+        out = [exact(l) for l in leaves]
+        new_res = None if residual is None else [jnp.zeros_like(r) for r in res_leaves]
+        return jax.tree_util.tree_unflatten(treedef, out), _unflat(treedef, new_res)
+    items = _items(leaves, codec, n)
+    out = list(leaves)
+    new_res = None if residual is None else list(res_leaves)
+    for i in {it.index for it in items} ^ set(range(len(leaves))):
+        out[i] = exact(leaves[i])
+    if items:
+        words = jnp.concatenate(_encode_chunks(codec, leaves, res_leaves, new_res, items, n,
+                                               replica_key(codec, key, axis_name, "reduce_scatter")), axis=1)
+        got = _compat.all_to_all(words, axis_name)  # [N, W]
+
+        def raw():  # the same values (encoded from the same x + residual) in the fallback
+            fb = codec.fallback
+            fb_words = _encode_chunks(fb, leaves, res_leaves, None if res_leaves is None else list(res_leaves),
+                                      [it._replace(words=fb.payload_words(it.padded)) for it in items], n, None)
+            return _sum_items(fb, _compat.all_to_all(jnp.concatenate(fb_words, axis=1), axis_name), items, divide)
+
+        totals = _fallback_cond(codec, lambda: _overflow_anywhere(codec, words, axis_name),
+                                lambda: _sum_items(codec, got, items, divide), raw)
+        for it, total in zip(items, totals):
+            out[it.index] = total.reshape((it.shape[0] // n,) + it.shape[1:]).astype(it.dtype)
+    return jax.tree_util.tree_unflatten(treedef, out), _unflat(treedef, new_res)
+
+
+def _sum_items(codec, got, items, divide):
+    """Each item's ``sum_r decode(got[r]) / divide`` from the exchanged ``[N, W]`` words."""
+    totals, off = [], 0
+    for it in items:
+        words = codec.payload_words(it.padded)
+        totals.append(decode_sum(codec, got[:, off:off + words], it.padded, divide)[:it.size])
+        off += words
+    return totals
+
+
+def _unflat(treedef, leaves):
+    return None if leaves is None else jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _encode_chunks(codec, leaves, res_leaves, new_res, items, n, rkey):
+    """Each compressed leaf as ``N`` destination chunks, encoded: ``[N, words]`` per leaf
+    (updating ``new_res`` in place with error feedback)."""
+    words, start = [], 0
+    for it in items:
+        def rows_of(v, it=it):
+            v = jnp.ravel(v).astype(jnp.float32).reshape(n, it.size)
+            return jnp.pad(v, ((0, 0), (0, it.padded - it.size)))
+        rows = rows_of(leaves[it.index])
+        if res_leaves is None:
+            words.append(encode_rows(codec, rows, rkey, start=start))
+        else:
+            r = res_leaves[it.index]
+            w, e = encode_rows(codec, rows, rkey, residual=rows_of(r), start=start)
+            words.append(w)
+            new_res[it.index] = e[:, :it.size].reshape(r.shape).astype(r.dtype)
+        start += n * it.padded
+    return words
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScatterConfig:
+    axis_name: Any
+    codec: Optional[Compressor]
+    grad_codec: Optional[Compressor]
+    inner_axis_name: Any
+    inner_codec: Optional[Compressor]
+    mean: bool
+
+
+def _scatter_two_level(tree, cfg: _ScatterConfig, key, residual=None):
+    """Inner axis first (its own codec), then the outer axis; with ``mean`` each level
+    divides by its own size before summing."""
+    if cfg.inner_axis_name is not None:
+        inner_key = None if key is None else jax.random.fold_in(key, 2)
+        inner = _compat.axis_size(cfg.inner_axis_name) if cfg.mean else 1
+        tree, _ = _scatter_impl(tree, cfg.inner_axis_name, cfg.inner_codec, inner_key, None, inner)
+    outer = _compat.axis_size(cfg.axis_name) if cfg.mean else 1
+    return _scatter_impl(tree, cfg.axis_name, cfg.codec, key, residual, outer)
