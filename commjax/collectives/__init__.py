@@ -51,7 +51,10 @@ exact mean over the inner axis, then the compressed one over the outer axis.
 from commjax.collectives.gather import all_gather
 from commjax.collectives.scatter import reduce_scatter
 from commjax.collectives.reduce import all_reduce
+from commjax.collectives.permute import PermuteDelta, delta_state, inject_residual, ppermute
+from commjax.collectives.tensor_parallel import tp_copy, tp_reduce
 from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._reducers import REDUCERS, valid_reducers
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "wire_bytes", "REDUCERS", "valid_reducers"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "ppermute", "delta_state", "PermuteDelta",
+           "inject_residual", "tp_copy", "tp_reduce", "wire_bytes", "REDUCERS", "valid_reducers"]
