@@ -39,7 +39,7 @@ from commjax.layout import (
 from commjax.fsdp import (
     fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard, fsdp_wire_bytes,
 )
-from commjax.optimizers import dgc, diloco, onebit_adam, onebit_lamb, zero
+from commjax.optimizers import choco, dgc, diloco, onebit_adam, onebit_lamb, zero
 from commjax.optimizers.decoupled_momentum import (
     DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
 )
@@ -56,7 +56,7 @@ __all__ = [
     "Compressor", "identity", "cast", "quantize", "qsgd", "terngrad", "sign",
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
     "fp8", "lossless",
-    "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero",
+    "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero", "choco",
     "decoupled_momentum", "DecoupledMomentumState", "decoupled_momentum_wire_bytes",
     "streaming_diloco", "streaming_diloco_bytes",
     "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "fsdp_wire_bytes",

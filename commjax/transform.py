@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from commjax import _compat, bucket as flat_bucket, guards, validation
+from commjax import _compat, bucket as flat_bucket, ef21, guards, validation
 from commjax.collectives._exact import exact_mean
 from commjax.collectives._reducers import check_reducer, reduce_parts
 from commjax.compressors.base import Compressor
@@ -474,7 +474,11 @@ def _check_options(compressor: Compressor, *, reducer: str, axis_name: Any, inne
     axis_name = validation.check_axis_name("axis_name", axis_name, factory=factory)
     inner_axis_name = validation.check_axis_name("inner_axis_name", inner_axis_name, factory=factory)
     validation.check_axis_pair(axis_name, inner_axis_name, factory=factory)
-    for name, value in (("error_feedback", error_feedback), ("compress_vectors", compress_vectors),
+    if isinstance(error_feedback, str):  # True, False or "ef21"
+        validation.check_choice("error_feedback", error_feedback, ("ef21",), factory=factory)
+    else:
+        validation.check_bool("error_feedback", error_feedback, factory=factory)
+    for name, value in (("compress_vectors", compress_vectors),
                         ("server_error_feedback", server_error_feedback),
                         ("check_finite", check_finite)):
         validation.check_bool(name, value, factory=factory)
@@ -539,7 +543,10 @@ def compressed_mean(
         this fast axis (NVLink/ICI), then compression only over ``axis_name`` (DCN).
         Error-feedback state is per ``axis_name`` replica and identical across the inner
         axis; lay it out with ``cj.state_specs(state, axis_name)``.
-      error_feedback: keep the worker residual ``e`` (default True).
+      error_feedback: keep the worker residual ``e`` (default True); ``"ef21"``: EF21,
+        each worker keeps a gradient estimate ``g_i`` and sends ``C(grad - g_i)``, the
+        transform returns the mean estimate (:mod:`commjax.ef21`; state
+        :class:`commjax.ef21.EF21State`, same bytes).
       reducer: ``"auto"`` (cheapest valid), ``"allreduce"`` (linear payloads only),
         ``"allgather"`` or ``"two_phase"``.
       min_compress_size: floating leaves with fewer elements go to the exact bucket.
@@ -591,6 +598,8 @@ def compressed_mean(
         del params
         return _update(cfg, updates, state)
 
+    if isinstance(error_feedback, str):  # "ef21", around the classic step
+        init_fn, update_fn = ef21.wrap(cfg, init_fn, update_fn)
     return optax.GradientTransformation(init_fn, update_fn)
 
 

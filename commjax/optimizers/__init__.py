@@ -5,6 +5,7 @@ and returns updates identical on every replica.
 """
 
 # Other optimizers add their imports and names below.
+from commjax.optimizers.choco import ChocoState, choco, consensus_distance
 from commjax.optimizers.decoupled_momentum import (
     DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
 )
@@ -18,6 +19,7 @@ from commjax.optimizers.streaming_diloco import (
 from commjax.optimizers.zero import ZeroState, zero, zero_wire_bytes
 
 __all__ = [
+    "ChocoState", "choco", "consensus_distance",
     "DecoupledMomentumState", "decoupled_momentum", "decoupled_momentum_wire_bytes",
     "DGCState", "dgc", "dgc_communication_plan", "dgc_ratios",
     "DiLoCoState", "diloco", "landing_update",
