@@ -238,7 +238,7 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
     def via_compressed_mean(comp: Any, note: str = "") -> JaxMethod:
         plan = cj.communication_plan(comp, params, n)
         return JaxMethod(optax.chain(cj.compressed_mean(comp, AXIS), sgd), plan.bytes_per_step,
-                         note=note or f"{plan.reducer} reducer")
+                         note=note or f"{plan.routing.reducer} reducer")
 
     if name == FLOOR:
         return JaxMethod(sgd, 0.0, check_vma=False,
@@ -276,7 +276,7 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
         return JaxMethod(
             diloco(sgd, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=h,
                    axis_name=AXIS),
-            cj.exact_mean_bytes(n_params, n) / h, per_replica_params=True, sync_every=h,
+            cj.ring_bytes("all-reduce", 4 * n_params, n) / h, per_replica_params=True, sync_every=h,
             note=(f"sync every {h} steps (inner: the same SGD; outer: Nesterov SGD 0.7/0.9); "
                   "step time = mean over a window holding one sync; bytes averaged per step"),
         )
@@ -297,13 +297,13 @@ def streaming_method(name: str, params: Any, n: int, sgd: Any, steps: int) -> Ja
 
     frags = next(f for f in (4, 2, 1) if steps % f == 0)
     comp = cj.quantize(bits=4, block_size=512) if name.endswith("_q4") else None
-    b = cj.streaming_diloco_bytes(params, n, sync_every=steps, fragments=frags, compressor=comp)
+    tx = cj.streaming_diloco(sgd, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=steps,
+                             fragments=frags, compressor=comp, axis_name=AXIS, num_replicas=n)
+    b = cj.communication_plan(tx, params, n)
     return JaxMethod(
-        cj.streaming_diloco(sgd, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=steps,
-                            fragments=frags, compressor=comp, axis_name=AXIS, num_replicas=n),
-        b.per_inner_step, per_replica_params=True, sync_every=steps,
+        tx, b.bytes_per_step, per_replica_params=True, sync_every=steps,
         note=(f"{frags} fragments, one synced every {steps // frags} steps ({'4-bit' if comp else 'fp32'}; "
-              f"peak {b.peak:,.0f} B); step time = mean over a window holding one sync of each"),
+              f"peak {b.peak_bytes:,.0f} B); step time = mean over a window holding one sync of each"),
     )
 
 
@@ -321,10 +321,11 @@ def zero_method(name: str, params: Any, n: int, sgd: Any) -> JaxMethod:
         "zero_qwd4_had": dict(grad_codec=cj.hadamard(cj.quantize(bits=4)),
                               weight_codec=cj.quantize(bits=4, stochastic=False)),
     }[name]
-    plan = cj.zero_wire_bytes(params, n, **kw)
-    return JaxMethod(cj.zero(sgd, AXIS, num_replicas=n, **kw), plan["total"],
-                     note=f"ZeRO-2: reduce-scatter {plan['reduce_scatter'] / 1e6:.1f} MB + "
-                          f"all-gather {plan['all_gather'] / 1e6:.1f} MB per device")
+    tx = cj.zero(sgd, AXIS, num_replicas=n, **kw)
+    plan = cj.communication_plan(tx, params, n)
+    return JaxMethod(tx, plan.bytes_per_step,
+                     note=f"ZeRO-2: reduce-scatter {plan.bytes_of('gradient') / 1e6:.1f} MB + "
+                          f"all-gather {plan.bytes_of('weight') / 1e6:.1f} MB per device")
 
 
 def jax_worker(args: argparse.Namespace) -> None:

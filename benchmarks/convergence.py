@@ -138,7 +138,7 @@ def main(argv=None):
             hlo_bytes = float("nan")
             print(f"  ({name}: HLO accounting failed: {e})", file=sys.stderr)
         n = sum(np.size(l) for l in jax.tree_util.tree_leaves(task.params))
-        exact = cj.exact_mean_bytes(n, 8)
+        exact = cj.ring_bytes("all-reduce", 4 * n, 8)
         gap = None if base is None else (res.final_loss - finals[base]) / finals[base]
         rows.append({
             "method": name, "baseline": base, "final_loss": res.final_loss,

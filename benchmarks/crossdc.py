@@ -132,12 +132,14 @@ def hlo_bytes(report, sync_every: int) -> dict:
 
 def plan_bytes(name, kind, frags, comp, params, args) -> float:
     if kind == "diloco":
-        return cj.streaming_diloco_bytes(params, N, sync_every=args.sync_every, fragments=frags,
-                                         compressor=comp).per_inner_step
+        tx = cj.streaming_diloco(optax.sgd(0.1), optax.sgd(0.1), sync_every=args.sync_every,
+                                 fragments=frags, compressor=comp)
+        return cj.communication_plan(tx, params, N).bytes_per_step
     if name == "demo":
-        return cj.decoupled_momentum_wire_bytes(params, N, chunk_size=args.demo_chunk, top_k=args.demo_top_k,
-                                                values_dtype=_VALUES[args.demo_values])
-    return cj.exact_mean_bytes(_charlm.num_params(params), N)
+        tx = cj.decoupled_momentum(0.1, chunk_size=args.demo_chunk, top_k=args.demo_top_k,
+                                   values_dtype=_VALUES[args.demo_values])
+        return cj.communication_plan(tx, params, N).bytes_per_step
+    return cj.ring_bytes("all-reduce", 4 * _charlm.num_params(params), N)
 
 
 def compile_method(make, mesh, graphdef, params, corpus, args):

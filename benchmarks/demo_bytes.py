@@ -5,7 +5,8 @@ For the char-LM of ``examples/_charlm.py`` (default size) and a GPT-2-small-shap
 model of the same code (d_model 768, 12 layers, context 1024), with the defaults of
 ``cj.decoupled_momentum`` (64 x 64 tiles, 32 coefficients kept) and fp32 or bf16 values:
 
-* payload per replica (``cj.decoupled_momentum_wire_bytes(params, 2)``) vs ``4 n`` bytes;
+* payload per replica (``cj.communication_plan(cj.decoupled_momentum(...), params, 2)``) vs
+  ``4 n`` bytes;
 * per-device bytes of one step at N = 2 ... 64, read from the compiled HLO
   (``cj.collective_bytes`` on the update, N simulated CPU devices) and checked against the
   analytic count, vs the exact fp32 mean (``cj.compressed_mean(cj.identity())``) compiled
@@ -63,9 +64,9 @@ def param_shapes(cfg: dict):
 def row(name: str, params, n: int, reps: int, vname: str, compile_hlo: bool) -> dict:
     """One (model, values dtype, N) row; HLO numbers are None where not compiled."""
     vdtype = VALUES[vname]
-    plan = cj.decoupled_momentum_wire_bytes(params, reps, values_dtype=vdtype)
-    payload = cj.decoupled_momentum_wire_bytes(params, 2, values_dtype=vdtype)
-    ring = cj.exact_mean_bytes(n, reps)
+    plan = cj.communication_plan(cj.decoupled_momentum(1e-3, values_dtype=vdtype), params, reps).bytes_per_step
+    payload = cj.communication_plan(cj.decoupled_momentum(1e-3, values_dtype=vdtype), params, 2).bytes_per_step
+    ring = cj.ring_bytes("all-reduce", 4 * n, reps)
     hlo = exact = None
     if compile_hlo:
         tx = cj.decoupled_momentum(1e-3, values_dtype=vdtype)

@@ -157,8 +157,8 @@ def _payload(runs: dict, args) -> dict:
              if r["config"]["kind"] == "demo" and not r["config"].get("seed", 0)}
     best_demo = min(demos, key=demos.get) if demos else None
     # The bytes: DeMo's own defaults (64 x 64 tiles, 32 fp32 coefficients each).
-    budget = cj.decoupled_momentum_wire_bytes(_charlm.make_model(
-        d_model=64, layers=2, heads=2, seq_len=32, seed=0)[1], crossdc.N)
+    budget = cj.communication_plan(cj.decoupled_momentum(1e-3), _charlm.make_model(
+        d_model=64, layers=2, heads=2, seq_len=32, seed=0)[1], crossdc.N).bytes_per_step
     cheap = {n: v for n, v in demos.items() if runs[n]["bytes_per_step"] <= budget}
     best_cheap = min(cheap, key=cheap.get) if cheap else None
     return {"steps": args.steps, "workers": crossdc.N,

@@ -57,7 +57,7 @@ def hlo_gather_bytes(codec, shapes) -> tuple[float, float]:
 def compressed_leaves(codec, params) -> list[int]:
     """Indices of the leaves compressed_mean compresses (the rest go exact)."""
     plan = cj.communication_plan(codec, params, N, reducer="allgather")
-    return [i for i, r in enumerate(plan.routes) if r == "compress"]
+    return [i for i, r in enumerate(plan.routing.routes) if r == "compress"]
 
 
 def make_stats(codec, idx):

@@ -33,7 +33,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from commjax import _compat  # noqa: E402
-from commjax.accounting import collective_bytes, exact_mean_bytes  # noqa: E402
+from commjax.accounting import collective_bytes, ring_bytes  # noqa: E402
 from commjax.compressors import identity, quantize  # noqa: E402
 from commjax.layout import per_replica_mask, state_specs, unshard_state  # noqa: E402
 from commjax.optimizers.diloco import diloco  # noqa: E402
@@ -97,7 +97,7 @@ def hlo_bytes(tx, shapes: dict) -> dict:
 def per_step_bytes(kind: str, tx, shapes: dict, steps: int, warmup: int = 0) -> dict:
     b = hlo_bytes(tx, shapes)
     n = sum(int(np.prod(s)) if s else 1 for s in shapes.values())
-    exact = exact_mean_bytes(n, N)
+    exact = ring_bytes("all-reduce", 4 * n, N)
     if kind == "exact":
         step = b["unconditional"]
         return {"per_step": step, "ratio_vs_exact": exact / step}

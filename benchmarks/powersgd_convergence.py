@@ -77,7 +77,7 @@ def run(compressor, cfg: dict, task=None) -> dict:
         "replicas_identical": res.replicas_identical,
         "bytes_per_step": plan.bytes_per_step,
         "compression_ratio": plan.compression_ratio,
-        "leaves_compressed": plan.num_compressed,
+        "leaves_compressed": plan.routing.num_compressed,
         "seconds": time.perf_counter() - t0,
     }
 

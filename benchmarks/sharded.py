@@ -5,7 +5,7 @@ Two measurements, each against exact fp32 ZeRO in the same run:
 1. **Bytes** (compile only, nothing runs): the per-device bytes of one ZeRO step's
    reduce-scatter of gradients and all-gather of weights, read from the compiled HLO
    (``cj.collective_bytes``) on ``--replicas`` devices for a GPT-shaped parameter tree
-   (``--bytes-d-model``, ``--bytes-layers``), beside the analytic ``cj.zero_wire_bytes``,
+   (``--bytes-d-model``, ``--bytes-layers``), beside the analytic ``cj.communication_plan``,
    and the ratio to the exact fp32 collectives of the same step.
 2. **Convergence**: the character Transformer of ``examples/_charlm.py`` trained for
    ``--steps`` steps with ``cj.zero(optax.adam(lr))`` on 8 replicas whose data are
@@ -125,12 +125,9 @@ def hlo_bytes(kw: dict, params: dict, n: int, min_compress_size: int) -> dict:
     for c in rep.collectives:
         out["all_gather" if c.kind == "all-gather" else "reduce_scatter"] += c.ring_bytes
     out["slow_axis"] = slow_axis_bytes(rep, mesh)
-    inner = {k: v for k, v in kw.items() if k in ("grad_codec", "weight_codec", "inner_grad_codec",
-                                                  "inner_weight_codec")}
-    plan = cj.zero_wire_bytes(params, 2 if "inner_axis_name" in kw else n,
-                              inner_size=n // 2 if "inner_axis_name" in kw else 1,
-                              min_compress_size=min_compress_size, **inner)
-    out["analytic"] = {k: plan[k] for k in ("reduce_scatter", "all_gather")}
+    plan = cj.communication_plan(tx, params, 2 if "inner_axis_name" in kw else n,
+                                 inner_replicas=n // 2 if "inner_axis_name" in kw else 1)
+    out["analytic"] = {"reduce_scatter": plan.bytes_of("gradient"), "all_gather": plan.bytes_of("weight")}
     return out
 
 

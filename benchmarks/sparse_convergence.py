@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 from commjax.compressors.exact import identity  # noqa: E402
 from commjax.compressors.sparse import random_k, top_k  # noqa: E402
-from commjax.optimizers.dgc import dgc, dgc_communication_plan  # noqa: E402
+from commjax.optimizers.dgc import dgc  # noqa: E402
 from commjax.plan import communication_plan  # noqa: E402
 from commjax.testing import noniid_classification, train  # noqa: E402
 from commjax.transform import compressed_mean  # noqa: E402
@@ -59,7 +59,7 @@ def methods(steps: int) -> list[tuple[str, optax.GradientTransformation, callabl
                                                       reducer=reducer)
 
     def dgc_plan(params, n=N):
-        return dgc_communication_plan(params, n, ratio=0.01, min_compress_size=MIN_COMPRESS)
+        return communication_plan(dgc(LR, ratio=0.01, min_compress_size=MIN_COMPRESS), params, n)
 
     tk_small = top_k(0.01, chunk_size=4096, values_dtype=jnp.bfloat16)
     return [

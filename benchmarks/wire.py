@@ -68,7 +68,7 @@ def main(argv=None):
                 tx = cj.compressed_mean(comp, "data", reducer=reducer)
                 plan = cj.communication_plan(comp, params, n, reducer=reducer)
                 rep = update_collectives(tx, params, n)
-                row = {"compressor": name, "replicas": n, "reducer": plan.reducer if reducer == "auto" else reducer,
+                row = {"compressor": name, "replicas": n, "reducer": plan.routing.reducer if reducer == "auto" else reducer,
                        "auto": reducer == "auto", "analytic_bytes": plan.bytes_per_step,
                        "hlo_bytes": rep.total_ring_bytes, "exact_hlo_bytes": exact,
                        "ratio": exact / rep.total_ring_bytes, "dtypes": sorted(rep.dtypes),

@@ -9,7 +9,7 @@ Compressed gradient exchange as optax transforms, inside ``jax.shard_map``/``jax
 
 from commjax import collectives
 from commjax._compat import vary
-from commjax.accounting import CollectiveReport, collective_bytes, exact_mean_bytes, ring_bytes
+from commjax.accounting import CollectiveReport, CommunicationPlan, Transfer, collective_bytes, ring_bytes
 from commjax.compressors import (
     Compressor,
     cast,
@@ -36,16 +36,12 @@ from commjax.layout import (
     state_specs,
     unshard_state,
 )
-from commjax.fsdp import (
-    fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard, fsdp_wire_bytes,
-)
+from commjax.fsdp import fsdp_gather, fsdp_like, fsdp_shard, fsdp_specs, fsdp_unshard
 from commjax.optimizers import choco, dgc, diloco, onebit_adam, onebit_lamb, zero
-from commjax.optimizers.decoupled_momentum import (
-    DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
-)
-from commjax.optimizers.streaming_diloco import streaming_diloco, streaming_diloco_bytes
-from commjax.optimizers.zero import ZeroState, zero_wire_bytes
-from commjax.plan import CommunicationPlan, communication_plan
+from commjax.optimizers.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
+from commjax.optimizers.streaming_diloco import streaming_diloco
+from commjax.optimizers.zero import ZeroState
+from commjax.plan import communication_plan
 from commjax.collectives import REDUCERS
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
 from commjax.step import DataParallel, TrainState, data_parallel
@@ -57,13 +53,11 @@ __all__ = [
     "top_k", "random_k", "threshold", "powersgd", "hadamard",
     "fp8", "lossless",
     "dgc", "onebit_adam", "onebit_lamb", "diloco", "zero", "choco",
-    "decoupled_momentum", "DecoupledMomentumState", "decoupled_momentum_wire_bytes",
-    "streaming_diloco", "streaming_diloco_bytes",
-    "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "fsdp_wire_bytes",
-    "ZeroState", "zero_wire_bytes",
+    "decoupled_momentum", "DecoupledMomentumState", "streaming_diloco",
+    "fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "ZeroState",
     "compressed_mean", "CompressedMeanState", "AxisNotBoundError", "REDUCERS",
-    "communication_plan", "CommunicationPlan",
-    "collective_bytes", "CollectiveReport", "ring_bytes", "exact_mean_bytes",
+    "communication_plan", "CommunicationPlan", "Transfer",
+    "collective_bytes", "CollectiveReport", "ring_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
     "init_sharded", "infer_per_replica", "collectives",
     "data_parallel", "DataParallel", "TrainState", "accumulate",

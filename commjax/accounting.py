@@ -1,8 +1,12 @@
-"""Wire-byte accounting: what a program really sends, read from its compiled HLO.
+"""Wire-byte accounting: what a step sends, planned and compiled.
 
-Every compressor reports an analytic byte count; this module measures the same
-quantity from the *optimized* HLO that XLA compiles, so the two can be checked
-against each other.
+Two views of the same quantity, checked against each other by the tests:
+
+* the **plan** (:class:`CommunicationPlan`, from :func:`commjax.communication_plan`): what a
+  transform or a collective sends, computed from shapes without compiling, as a list of
+  :class:`Transfer` records;
+* the **compiled program** (:class:`CollectiveReport`, from :func:`collective_bytes`):
+  every collective of the *optimized* HLO that XLA compiles.
 
 Conventions
 -----------
@@ -19,30 +23,26 @@ device and per execution of the collective::
 
 A group of one device sends nothing.
 
-Public API
-----------
-- :func:`ring_bytes` and :func:`exact_mean_bytes`: the analytic formulas above.
-- :func:`collective_bytes`: compile a function and list its collectives in a
-  :class:`CollectiveReport` of :class:`Collective` records.
-- :func:`hlo_collective_dtypes`: the element types that actually travel on the wire,
-  to check that payloads go as unsigned integer words rather than widened floats.
-- :func:`parse_hlo_collectives`: the parser itself, for HLO text from anywhere.
-
 Static counting
 ---------------
 Collectives are counted **statically**: each collective instruction of the module
 is counted once, as if its enclosing computation ran once. A collective inside a
 ``while`` body (``lax.fori_loop``, ``lax.scan``) is flagged ``in_loop=True`` and is
 *not* multiplied by the trip count; one inside a ``conditional`` branch is flagged
-``in_conditional=True`` and is counted even though only one branch runs.
+``in_conditional=True`` and is counted even though only one branch runs. A plan's
+:attr:`CommunicationPlan.compiled_bytes` follows the same convention (every transfer
+once), so that the two are comparable.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
+
+from commjax._hlo import (
+    ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_KINDS, COLLECTIVE_PERMUTE, REDUCE_SCATTER,
+    AccountingError, dtype_bits, scan,
+)
 
 __all__ = [
     "ALL_REDUCE",
@@ -54,30 +54,16 @@ __all__ = [
     "AccountingError",
     "Collective",
     "CollectiveReport",
+    "CommunicationPlan",
+    "Transfer",
     "ring_bytes",
-    "exact_mean_bytes",
     "collective_bytes",
     "hlo_collective_dtypes",
     "parse_hlo_collectives",
     "dtype_bits",
+    "with_plan",
+    "planner_of",
 ]
-
-ALL_REDUCE = "all-reduce"
-ALL_GATHER = "all-gather"
-REDUCE_SCATTER = "reduce-scatter"
-ALL_TO_ALL = "all-to-all"
-COLLECTIVE_PERMUTE = "collective-permute"
-COLLECTIVE_KINDS: tuple[str, ...] = (
-    ALL_REDUCE,
-    ALL_GATHER,
-    REDUCE_SCATTER,
-    ALL_TO_ALL,
-    COLLECTIVE_PERMUTE,
-)
-
-
-class AccountingError(RuntimeError):
-    """A function could not be compiled, or its HLO could not be read."""
 
 
 # --------------------------------------------------------------------------------------
@@ -121,18 +107,6 @@ def ring_bytes(kind: str, operand_bytes: float, group_size: int) -> float:
     if kind in (REDUCE_SCATTER, ALL_TO_ALL):
         return (n - 1) / n * s
     return s  # COLLECTIVE_PERMUTE
-
-
-def exact_mean_bytes(num_elements: int, group_size: int, itemsize: int = 4) -> float:
-    """Per-device ring bytes of the exact mean: an all-reduce of ``num_elements``
-    values of ``itemsize`` bytes (fp32 by default), i.e.
-    ``2 * (N - 1) / N * num_elements * itemsize``.
-
-    This is the baseline that compression ratios are measured against.
-    """
-    if num_elements < 0:
-        raise ValueError(f"exact_mean_bytes: num_elements must be >= 0, got {num_elements}")
-    return ring_bytes(ALL_REDUCE, num_elements * itemsize, group_size)
 
 
 # --------------------------------------------------------------------------------------
@@ -274,273 +248,126 @@ def _dtype_summary(dtypes: tuple[str, ...]) -> str:
     return ",".join(parts)
 
 
+
 # --------------------------------------------------------------------------------------
-# HLO text parsing
+# Planned bytes
 # --------------------------------------------------------------------------------------
-
-_COMMENT_RE = re.compile(r"/\*.*?\*/")
-_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
-_COMP_HEADER_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s({]+)")
-_INSTR_RE = re.compile(
-    r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>(?:\(|[a-z][a-z0-9]*\[).*)$"
-)
-_LEAF_RE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
-_OPCODE_RE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\s*\(")
-_DTYPE_RE = re.compile(r"^(?P<base>s|u|f|bf|c)(?P<bits>\d+)")
-
-# Attributes through which one computation calls another.
-_CALL_ATTR_RE = re.compile(
-    r"\b(?P<key>calls|to_apply|body|condition|branch_computations|true_computation|"
-    r"false_computation|called_computations|async_wrapped_computation)\s*=\s*"
-    r"(?P<val>\{[^{}]*\}|%?[\w.\-]+)"
-)
-
-_SYNC_OPCODES = {k: k for k in COLLECTIVE_KINDS}
-_START_OPCODES = {f"{k}-start": k for k in COLLECTIVE_KINDS}
-
-
-def dtype_bits(dtype: str) -> int:
-    """Bits per element of an HLO element type (``pred`` = 8, ``s4`` = 4, ``f8e4m3fn`` = 8,
-    ``c64`` = 64, ``token`` = 0)."""
-    if dtype == "pred":
-        return 8
-    if dtype in ("token", "opaque"):
-        return 0
-    m = _DTYPE_RE.match(dtype)
-    if m is None:
-        raise AccountingError(f"unknown HLO element type {dtype!r}")
-    return int(m.group("bits"))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Leaf:
-    dtype: str
-    elements: int
+class Transfer:
+    """One exchange of a step: a collective, or collectives that always run together.
+
+    Attributes:
+      what: what travels (``"exact bucket"``, ``"gradient shards"``, ``"fragment 2"``...).
+      collective: how (``"all-reduce"``, ``"two_phase"``, ``"all-gather"``...).
+      bytes: per device, each time it runs (ring convention, as :func:`ring_bytes`).
+      every: in the steady state it runs once every ``every`` steps (``1``: every step;
+        DiLoCo's sync: ``sync_every``); ``0``: outside the steady state (the first step
+        only, warm-up, or only on a step where a payload overflows its code).
+    """
+
+    what: str
+    collective: str
+    bytes: float
+    every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationPlan:
+    """What one step of a transform (or one collective) sends, per device, without
+    compiling: made by :func:`commjax.communication_plan`.
+
+    Attributes:
+      transform: its name (``"compressed_mean(int4)"``, ``"zero"``, ``"all_gather"``...).
+      num_replicas: ``N``, the replicas of the (outer) axis.
+      transfers: every exchange the compiled step holds, each a :class:`Transfer`.
+      baseline_bytes: what the exact fp32 mean of the same floating-point values sends
+        (one all-reduce over ``N``): the reference of :attr:`compression_ratio`.
+      routing: for transforms built on ``compressed_mean`` (and DGC), where each leaf goes
+        (a :class:`commjax.plan.MeanPlan`); ``None`` otherwise.
+    """
+
+    transform: str
+    num_replicas: int
+    transfers: tuple[Transfer, ...]
+    baseline_bytes: float
+    routing: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
-    def nbytes(self) -> float:
-        return self.elements * dtype_bits(self.dtype) / 8.0
+    def bytes_per_step(self) -> float:
+        """Average bytes per step in the steady state: each transfer's bytes divided by
+        its period (transfers outside the steady state left out)."""
+        return float(sum(t.bytes / t.every for t in self.transfers if t.every))
+
+    @property
+    def peak_bytes(self) -> float:
+        """The most one steady-state step sends: every per-step transfer, plus the largest
+        periodic one (DiLoCo's sync, one Streaming DiLoCo fragment)."""
+        steady = sum(t.bytes for t in self.transfers if t.every == 1)
+        periodic = [t.bytes for t in self.transfers if t.every > 1]
+        return float(steady + max(periodic, default=0.0))
+
+    @property
+    def compiled_bytes(self) -> float:
+        """Every transfer counted once: what :func:`collective_bytes` reads from the
+        compiled step (``total_ring_bytes``), conditional branches included."""
+        return float(sum(t.bytes for t in self.transfers))
+
+    @property
+    def compression_ratio(self) -> float:
+        """:attr:`baseline_bytes` over :attr:`bytes_per_step`."""
+        b = self.bytes_per_step
+        return float("inf") if b == 0 else self.baseline_bytes / b
+
+    def bytes_of(self, what: str) -> float:
+        """Bytes of the transfers whose ``what`` starts with ``what`` (each counted once)."""
+        return float(sum(t.bytes for t in self.transfers if t.what.startswith(what)))
+
+    def summary(self) -> str:
+        """One line: bytes per step, the exact baseline and the ratio."""
+        peak = "" if self.peak_bytes == self.bytes_per_step else f", peak {self.peak_bytes:,.0f} B"
+        return (f"{self.transform} on {self.num_replicas} replicas: "
+                f"{self.bytes_per_step:,.0f} B/step/device{peak} vs {self.baseline_bytes:,.0f} B "
+                f"exact ({self.compression_ratio:.2f}x)")
+
+    def table(self) -> str:
+        """The transfers, one per line, for printing."""
+        rows = [f"{t.what:<28} {t.collective:<22} {t.bytes:>14,.1f} B  "
+                f"{'every step' if t.every == 1 else f'every {t.every} steps' if t.every else 'occasional'}"
+                for t in self.transfers]
+        return "\n".join(rows + [self.summary()])
+
+    def __str__(self) -> str:
+        return self.table()
 
 
-# A parsed shape: a _Leaf (array) or a tuple of shapes.
-_Shape = Any
+#: The attribute that holds a planner on a transform's ``update`` or an op function.
+_PLANNER = "_commjax_planner"
 
 
-def _parse_shape(text: str) -> tuple[_Shape, int]:
-    """Parse one HLO shape at the start of ``text``; return (shape, end index)."""
-    i = 0
-    n = len(text)
-    while i < n and text[i].isspace():
-        i += 1
-    if i < n and text[i] == "(":
-        i += 1
-        elems: list[_Shape] = []
-        while True:
-            while i < n and (text[i].isspace() or text[i] == ","):
-                i += 1
-            if i >= n:
-                raise AccountingError(f"unterminated tuple shape in {text[:200]!r}")
-            if text[i] == ")":
-                return tuple(elems), i + 1
-            sub, j = _parse_shape(text[i:])
-            elems.append(sub)
-            i += j
-    m = _LEAF_RE.match(text, i)
-    if m is None:
-        raise AccountingError(f"cannot parse HLO shape at {text[i:i + 80]!r}")
-    dims = []
-    for d in m.group("dims").split(","):
-        d = d.strip().lstrip("<=").strip()
-        if d:
-            if not d.isdigit():
-                raise AccountingError(f"unsupported dimension {d!r} in HLO shape {m.group(0)!r}")
-            dims.append(int(d))
-    leaf = _Leaf(m.group("dtype"), math.prod(dims))
-    i = m.end()
-    # Optional layout: a balanced {...} right after the dims.
-    if i < n and text[i] == "{":
-        depth = 0
-        while i < n:
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    i += 1
-                    break
-            i += 1
-    return leaf, i
+def with_plan(obj: Any, planner: Callable[..., CommunicationPlan]) -> Any:
+    """Attach ``planner(params, num_replicas, **options) -> CommunicationPlan`` to ``obj``
+    and return ``obj``: a transform (``optax.GradientTransformation``: held by its
+    ``update`` function) or a collective op function. :func:`commjax.communication_plan`
+    finds it there."""
+    target = obj.update if _is_transform(obj) else obj
+    setattr(target, _PLANNER, planner)
+    return obj
 
 
-def _leaves(shape: _Shape) -> list[_Leaf]:
-    if isinstance(shape, _Leaf):
-        return [shape]
-    return [leaf for s in shape for leaf in _leaves(s)]
+def planner_of(obj: Any) -> Optional[Callable[..., CommunicationPlan]]:
+    """The planner :func:`with_plan` attached to ``obj``, or ``None``."""
+    return getattr(obj.update if _is_transform(obj) else obj, _PLANNER, None)
 
 
-def _balanced(text: str, start: int, open_: str, close: str) -> int:
-    """Index just past the bracket group that opens at ``text[start]``."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == open_:
-            depth += 1
-        elif text[i] == close:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
+def _is_transform(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "init") and hasattr(obj, "update")
 
 
-def _parse_groups_attr(attrs: str, key: str) -> list[list[int]] | tuple[int, int] | None:
-    """Parse ``key={{0,1},{2,3}}`` (explicit) or ``key=[G,S]<=[...]...`` (iota).
-
-    Returns a list of groups, ``(num_groups, group_size)`` for the iota form, or None
-    when the attribute is absent.
-    """
-    m = re.search(r"\b" + re.escape(key) + r"\s*=\s*", attrs)
-    if m is None:
-        return None
-    j = m.end()
-    if j < len(attrs) and attrs[j] == "[":
-        iota = re.match(r"\[\s*([\d,\s]+)\]\s*<=", attrs[j:])
-        if iota is None:
-            raise AccountingError(f"cannot parse {key} at {attrs[j:j + 80]!r}")
-        dims = [int(x) for x in iota.group(1).split(",") if x.strip()]
-        if len(dims) == 1:
-            return (1, dims[0])
-        return (math.prod(dims[:-1]), dims[-1])
-    if j < len(attrs) and attrs[j] == "{":
-        end = _balanced(attrs, j, "{", "}")
-        body = attrs[j + 1 : end - 1]
-        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^{}]*)\}", body)]
-    raise AccountingError(f"cannot parse {key} at {attrs[j:j + 80]!r}")
-
-
-def _group_size(kind: str, attrs: str, num_partitions: int, num_replicas: int) -> int:
-    """Devices per group, following XLA's CollectiveOpGroupMode rules."""
-    if kind == COLLECTIVE_PERMUTE:
-        pairs = _parse_groups_attr(attrs, "source_target_pairs")
-        if not pairs or isinstance(pairs, tuple):
-            return 0
-        return len({d for p in pairs for d in p})
-    groups = _parse_groups_attr(attrs, "replica_groups")
-    has_channel = re.search(r"\bchannel_id\s*=", attrs) is not None
-    global_ids = re.search(r"\buse_global_device_ids\s*=\s*true", attrs) is not None
-    if kind == ALL_TO_ALL:
-        # all-to-all has no use_global_device_ids: cross-partition with a channel id,
-        # cross-replica without one.
-        total = num_partitions if has_channel else num_replicas
-        factor = 1
-    elif not has_channel:  # cross-replica
-        total, factor = num_replicas, 1
-    elif global_ids:  # flattened ids
-        total, factor = num_replicas * num_partitions, 1
-    else:  # cross-replica-and-partition: groups of replica ids, times all partitions
-        total, factor = num_replicas * num_partitions, num_partitions
-    if isinstance(groups, tuple):
-        return groups[1] * factor
-    if not groups:  # absent or {}: one group of every participant
-        return total
-    return len(groups[0]) * factor
-
-
-def _operand_leaves(kind: str, opcode: str, shape: _Shape, n: int) -> tuple[list[_Leaf], float]:
-    """Leaves describing the operands, and a divisor/multiplier applied to their bytes."""
-    if opcode.endswith("-start") and opcode != "all-reduce-start":
-        # all-gather-start: (operand(s), result(s)); collective-permute-start:
-        # (operand, result, context...); sugared async ops (X-start for async-start
-        # wrapping X): ((operands...), result, context...).
-        if isinstance(shape, tuple) and shape:
-            return _leaves(shape[0]), 1.0
-    # Synchronous form (and all-reduce-start, whose result equals its operands):
-    # derive operands from the result shape.
-    leaves = _leaves(shape)
-    if kind == ALL_GATHER:
-        return leaves, 1.0 / max(n, 1)
-    if kind == REDUCE_SCATTER:
-        return leaves, float(max(n, 1))
-    return leaves, 1.0
-
-
-@dataclasses.dataclass
-class _Comp:
-    name: str
-    is_entry: bool
-    instrs: list[tuple[str, str, str, str]]  # (name, shape text + rest, opcode, attrs)
-    calls: list[tuple[str, str]]  # (edge kind, callee)
-
-
-def _split_computations(text: str) -> tuple[dict[str, _Comp], str | None]:
-    comps: dict[str, _Comp] = {}
-    entry: str | None = None
-    cur: _Comp | None = None
-    pending: str | None = None  # an instruction whose text continues on later lines
-
-    def flush() -> None:
-        nonlocal pending
-        if pending is not None and cur is not None:
-            _add_instr(cur, pending)
-        pending = None
-
-    for raw in text.splitlines():
-        line = _COMMENT_RE.sub("", raw).rstrip()
-        if not line.strip() or line.lstrip().startswith("//"):
-            continue
-        if line.startswith("HloModule"):
-            continue
-        if cur is None and line.endswith("{"):
-            header = line.strip()
-            m = _COMP_HEADER_RE.match(header)
-            if m:
-                cur = _Comp(m.group("name"), header.startswith("ENTRY"), [], [])
-                comps[cur.name] = cur
-                if cur.is_entry:
-                    entry = cur.name
-            continue
-        if line.strip() == "}":
-            flush()
-            cur = None
-            continue
-        if cur is None:
-            continue
-        if _INSTR_RE.match(line):
-            flush()
-            pending = line.strip()
-        elif pending is not None:
-            pending += " " + line.strip()
-    flush()
-    return comps, entry
-
-
-def _add_instr(comp: _Comp, line: str) -> None:
-    m = _INSTR_RE.match(line)
-    if m is None:
-        return
-    rest = m.group("rest")
-    try:
-        _, end = _parse_shape(rest)
-    except AccountingError:
-        return
-    om = _OPCODE_RE.match(rest, end)
-    if om is None:
-        return
-    opcode = om.group("opcode")
-    args_end = _balanced(rest, om.end() - 1, "(", ")")
-    attrs = _STRING_RE.sub('""', rest[args_end:])
-    comp.instrs.append((m.group("name"), rest[:end], opcode, attrs))
-    for cm in _CALL_ATTR_RE.finditer(attrs):
-        key, val = cm.group("key"), cm.group("val")
-        if key in ("body", "condition") and opcode != "while":
-            continue
-        names = re.findall(r"%?([\w.\-]+)", val.strip("{}"))
-        edge = "loop" if opcode == "while" else ("cond" if opcode == "conditional" else "call")
-        comp.calls.extend((edge, nm) for nm in names)
-
-
-def _header_int(text: str, key: str, default: int) -> int:
-    first = next((ln for ln in text.splitlines() if ln.startswith("HloModule")), "")
-    m = re.search(r"\b" + key + r"\s*=\s*(\d+)", first)
-    return int(m.group(1)) if m else default
+# --------------------------------------------------------------------------------------
+# Compiled bytes
+# --------------------------------------------------------------------------------------
 
 
 def parse_hlo_collectives(hlo_text: str) -> CollectiveReport:
@@ -558,64 +385,13 @@ def parse_hlo_collectives(hlo_text: str) -> CollectiveReport:
     """
     if not isinstance(hlo_text, str):
         raise TypeError(f"parse_hlo_collectives expects HLO text (str), got {type(hlo_text).__name__}")
-    num_partitions = _header_int(hlo_text, "num_partitions", 1)
-    num_replicas = _header_int(hlo_text, "replica_count", _header_int(hlo_text, "num_replicas", 1))
-    comps, entry = _split_computations(hlo_text)
-
-    # Reachability from ENTRY, tracking whether a while/conditional lies on the way.
-    flags: dict[str, tuple[bool, bool]] = {}
-    roots = [entry] if entry is not None else list(comps)
-    stack = [(r, False, False) for r in roots]
-    while stack:
-        name, loop, cond = stack.pop()
-        old = flags.get(name)
-        if old is not None and (old[0] or not loop) and (old[1] or not cond):
-            continue
-        loop = loop or (old[0] if old else False)
-        cond = cond or (old[1] if old else False)
-        flags[name] = (loop, cond)
-        comp = comps.get(name)
-        if comp is None:
-            continue
-        for edge, callee in comp.calls:
-            stack.append((callee, loop or edge == "loop", cond or edge == "cond"))
-
-    out: list[Collective] = []
-    for comp in (c for c in comps.values() if c.name in flags):  # HLO text order
-        in_loop, in_cond = flags[comp.name]
-        for name, shape_text, opcode, attrs in comp.instrs:
-            kind = _SYNC_OPCODES.get(opcode) or _START_OPCODES.get(opcode)
-            if kind is None:
-                continue
-            shape, _ = _parse_shape(shape_text)
-            n = _group_size(kind, attrs, num_partitions, num_replicas)
-            leaves, scale = _operand_leaves(kind, opcode, shape, n)
-            nbytes = sum(leaf.nbytes for leaf in leaves) * scale
-            operand_bytes = int(math.ceil(nbytes - 1e-9))
-            out.append(
-                Collective(
-                    kind=kind,
-                    dtypes=tuple(leaf.dtype for leaf in leaves),
-                    operand_bytes=operand_bytes,
-                    group_size=n,
-                    ring_bytes=ring_bytes(kind, operand_bytes, n),
-                    hlo_name=name,
-                    in_loop=in_loop,
-                    in_conditional=in_cond,
-                    computation=comp.name,
-                    opcode=opcode,
-                )
-            )
-    return CollectiveReport(
-        collectives=tuple(out),
-        num_devices=num_partitions * num_replicas,
-        hlo_text=hlo_text,
-    )
-
-
-# --------------------------------------------------------------------------------------
-# Compiling functions
-# --------------------------------------------------------------------------------------
+    raw, num_devices = scan(hlo_text)
+    out = tuple(Collective(kind=r.kind, dtypes=r.dtypes, operand_bytes=r.operand_bytes,
+                           group_size=r.group_size,
+                           ring_bytes=ring_bytes(r.kind, r.operand_bytes, r.group_size),
+                           hlo_name=r.hlo_name, in_loop=r.in_loop, in_conditional=r.in_conditional,
+                           computation=r.computation, opcode=r.opcode) for r in raw)
+    return CollectiveReport(collectives=out, num_devices=num_devices, hlo_text=hlo_text)
 
 
 def _fn_name(fn: Any) -> str:

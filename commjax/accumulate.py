@@ -14,7 +14,9 @@ Replica ``i``, micro-step ``j = 0..k-1`` of a real step, gradient ``g_ij``::
     j = k-1:  updates, s = tx.update(a_i, s)      # one exchange of mean_i a_i
               a_i <- 0
 
-Bytes per real step = one exchange of ``tx`` (the plan's ``bytes_per_step``), against
+Bytes per real step = one exchange of ``tx`` (its plan's ``bytes_per_step``; for a ``tx``
+that :func:`commjax.communication_plan` knows, the accumulated transform's plan spreads
+it over the ``k`` micro-steps), against
 ``k`` exchanges for ``optax.MultiSteps``. The parameters are those of
 ``optax.MultiSteps`` with the same inner transform (same formula, same order) up to the
 last bit: compiled inside a conditional, the inner optimizer's arithmetic may be fused
@@ -31,6 +33,8 @@ import optax
 from jax import lax
 
 from commjax import _compat, validation
+from commjax.accounting import CommunicationPlan, planner_of, with_plan
+from commjax.plan import float_baseline, repeated
 
 __all__ = ["accumulate", "is_multisteps"]
 
@@ -133,7 +137,15 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
     def update_fn(updates, state, params=None, **extra):
         return _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    out = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    planner = planner_of(tx)
+    if planner is not None and isinstance(every_k, int):
+        # tx's transfers once per real step, every_k micro-steps apart.
+        out = with_plan(out, lambda params, num_replicas, **kw: CommunicationPlan(
+            f"accumulate({every_k})", num_replicas,
+            tuple(repeated(planner(params, num_replicas, **kw).transfers, every_k)),
+            float_baseline(params, num_replicas)))
+    return out
 
 
 def _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra):

@@ -20,6 +20,9 @@ payload bytes for ``s`` elements)::
     forward all-gather     (N - 1) P_w(s)           exact fp32: (N - 1) 4 s
     backward reduce-scatter (N - 1) P_g(s)           exact fp32: (N - 1) 4 s
 
+(``cj.communication_plan(cj.fsdp_gather, like, N, codec=..., grad_codec=..., align=...)``
+gives both for a parameter tree.)
+
 Under ``jax.checkpoint`` JAX emits the gather again for the backward pass (ZeRO-3's way
 of not keeping every layer's full weights alive between the passes), with the same key, so
 the recomputed weights are the forward ones and the gradient is the same. Whether the
@@ -48,12 +51,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from commjax import _compat, collectives as cc
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
+from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec
 from commjax.guards import check_bound
 from commjax.compressors.base import Compressor
 
-__all__ = ["fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "shard_size",
-           "fsdp_wire_bytes"]
+__all__ = ["fsdp_gather", "fsdp_shard", "fsdp_unshard", "fsdp_like", "fsdp_specs", "shard_size"]
 
 
 def shard_size(size: int, num_shards: int, align: int = 1) -> int:
@@ -304,26 +308,31 @@ def _unpad(full: jax.Array, like: Any, where: str) -> jax.Array:
     return full[:m].reshape(np.shape(like)).astype(jnp.result_type(like))
 
 
-def fsdp_wire_bytes(like: Any, num_shards: int, codec: Optional[Compressor] = None,
-                    grad_codec: Optional[Compressor] = None, *, align: int = 1,
-                    min_compress_size: int = 1024) -> dict[str, float]:
-    """Analytic per-device ring bytes of one :func:`fsdp_gather` of parameters shaped like
-    ``like``, laid out by :func:`fsdp_shard` with ``align`` over ``num_shards`` (one axis):
-    ``{"all_gather", "reduce_scatter", "total"}`` (the forward gather and its VJP), as the
-    compiled HLO sends them (once per gather: XLA merges a rematerialised gather with the
-    forward one on CPU)."""
+def _plan(like: Any, num_replicas: int, *, codec: Optional[Compressor] = None,
+          grad_codec: Optional[Compressor] = None, align: int = 1,
+          min_compress_size: int = 1024) -> CommunicationPlan:
+    """What one :func:`fsdp_gather` of parameters shaped like ``like`` sends per device (its
+    :func:`commjax.communication_plan`), laid out by :func:`fsdp_shard` with ``align`` over
+    ``num_replicas`` (one axis): the forward all-gather and, in a step that differentiates
+    through it, its VJP's reduce-scatter (once per gather: XLA merges a rematerialised
+    gather with the forward one on CPU)."""
     leaves = jax.tree_util.tree_leaves(like)
     sizes = [math.prod(np.shape(l)) for l in leaves]
-    shards = [jax.ShapeDtypeStruct((shard_size(m, num_shards, align if m >= min_compress_size else 1),),
+    shards = [jax.ShapeDtypeStruct((shard_size(m, num_replicas, align if m >= min_compress_size else 1),),
                                    jnp.result_type(l)) for l, m in zip(leaves, sizes)]
     routes = _route(shards, sizes, codec, min_compress_size)
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0}
+    fwd = bwd = 0.0
     for flag in (True, False):
         sel = [s for s, r in zip(shards, routes) if r == flag]
         if sel:
-            full = [jax.ShapeDtypeStruct((num_shards * s.shape[0],), s.dtype) for s in sel]
-            out["all_gather"] += cc.wire_bytes("all_gather", sel, num_shards, codec if flag else None)
-            out["reduce_scatter"] += cc.wire_bytes("reduce_scatter", full, num_shards,
-                                                   grad_codec if flag else None)
-    out["total"] = out["all_gather"] + out["reduce_scatter"]
-    return out
+            full = [jax.ShapeDtypeStruct((num_replicas * s.shape[0],), s.dtype) for s in sel]
+            fwd += wire_bytes("all_gather", sel, num_replicas, codec if flag else None)
+            bwd += wire_bytes("reduce_scatter", full, num_replicas, grad_codec if flag else None)
+    n = sum(m for l, m in zip(leaves, sizes) if jnp.issubdtype(jnp.result_type(l), jnp.floating))
+    return CommunicationPlan(
+        "fsdp_gather", num_replicas,
+        (Transfer("weights (forward)", "all-gather", fwd), Transfer("gradients (VJP)", "reduce-scatter", bwd)),
+        ring_bytes("all-reduce", 4 * n, num_replicas))
+
+
+with_plan(fsdp_gather, _plan)

@@ -34,7 +34,7 @@ from typing import Any, Sequence, Union
 import jax
 import numpy as np
 
-from commjax.plan import CommunicationPlan
+from commjax.accounting import CommunicationPlan
 from commjax.transform import CompressedMeanState
 
 __all__ = [

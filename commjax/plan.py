@@ -1,7 +1,15 @@
-"""The static communication plan of one gradient pytree: which leaves go where, and bytes.
+"""What a step will send: :func:`communication_plan`, and the leaf routing of a compressed mean.
 
-A plan depends only on the leaves' shapes and dtypes, the compressor, the options and the
-number of replicas, so it is computed at trace time (and by users, to report bytes):
+:func:`communication_plan` is the one way to ask for bytes without compiling: give it a
+codec (the plan of :func:`commjax.compressed_mean` with that codec), a commjax transform
+(``cj.zero(...)``, ``cj.diloco(...)``, ...) or a collective op (``cj.fsdp_gather``,
+``cj.collectives.all_gather``, ...), and it returns a
+:class:`~commjax.accounting.CommunicationPlan` whose :attr:`compiled_bytes` the compiled
+step carries (``tests/test_contract.py`` checks every transform).
+
+The routing of one compressed mean (:class:`MeanPlan`) depends only on the leaves' shapes
+and dtypes, the compressor, the options and the number of replicas, so it is computed at
+trace time:
 
 * integer and boolean leaves pass through untouched;
 * floating leaves with fewer than ``min_compress_size`` elements, or with fewer than
@@ -27,20 +35,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commjax.accounting import exact_mean_bytes, ring_bytes
+from commjax.accounting import CommunicationPlan, Transfer, planner_of, ring_bytes
 from commjax.collectives._reducers import choose_reducer
 from commjax.compressors.base import Compressor, Segment
 from commjax.exchanges import exchange_for
 from commjax.validation import check_positive_int
 
-__all__ = ["CommunicationPlan", "make_plan", "communication_plan", "route_leaf"]
+__all__ = ["MeanPlan", "make_plan", "mean_plan", "communication_plan", "route_leaf", "exact_mean_transfers",
+           "repeated", "float_baseline"]
 
 PASS, EXACT, COMPRESS = "pass", "exact", "compress"
 
 
 @dataclasses.dataclass(frozen=True)
-class CommunicationPlan:
-    """Where every leaf goes and what one step sends (per device, ring convention)."""
+class MeanPlan:
+    """Where every leaf of one compressed mean goes, and what it sends (per device, ring
+    convention): the ``routing`` of its :class:`~commjax.accounting.CommunicationPlan`."""
 
     routes: tuple[str, ...]  # per leaf: "pass" | "exact" | "compress"
     shapes: tuple[tuple[int, ...], ...]
@@ -75,21 +85,7 @@ class CommunicationPlan:
     @property
     def baseline_bytes(self) -> float:
         """What the exact fp32 mean of the same floats sends: one fp32 all-reduce."""
-        return exact_mean_bytes(self.num_float_elements, self.num_replicas)
-
-    @property
-    def compression_ratio(self) -> float:
-        b = self.bytes_per_step
-        return float("inf") if b == 0 else self.baseline_bytes / b
-
-    def summary(self) -> str:
-        return (
-            f"{self.compressor_name} via {self.reducer} on {self.num_replicas} replicas: "
-            f"{self.num_compressed} leaves compressed ({self.compressed_size} elements), "
-            f"{sum(r == EXACT for r in self.routes)} exact; "
-            f"{self.bytes_per_step:,.0f} B/step/device vs {self.baseline_bytes:,.0f} B exact "
-            f"({self.compression_ratio:.2f}x)"
-        )
+        return ring_bytes("all-reduce", 4 * self.num_float_elements, self.num_replicas)
 
 
 def exact_elements(dtype: Any, size: int) -> tuple[int, bool]:
@@ -160,7 +156,7 @@ def make_plan(
     min_compress_size: int = 1024,
     compress_vectors: bool = False,
     check_finite: bool = True,
-) -> CommunicationPlan:
+) -> MeanPlan:
     """Plan the exchange of ``leaves`` (arrays or ``jax.ShapeDtypeStruct``)."""
     check_positive_int("num_replicas", num_replicas, factory="communication_plan")
     routes, shapes, segments = [], [], []
@@ -191,7 +187,7 @@ def make_plan(
         exact += 4  # replica 0's key, shared through the exact all-reduce
     # One bucket: fp32, or float64 throughout when a float64 leaf is in it.
     exact_bytes = ring_bytes("all-reduce", (8 if wide else 4) * exact, num_replicas) if exact else 0.0
-    return CommunicationPlan(
+    return MeanPlan(
         routes=tuple(routes),
         shapes=tuple(shapes),
         segments=tuple(segments),
@@ -208,7 +204,72 @@ def make_plan(
     )
 
 
-def communication_plan(
+def _fallback_bytes(compressor: Compressor, obj: Any, n: int, num_replicas: int) -> float:
+    """What a codec with a fallback (:func:`commjax.lossless`) sends on a step where a
+    payload overflowed: the fallback's payloads of the same values, through the same
+    reducer (a conditional branch of the compiled step)."""
+    fb = compressor.fallback
+    if fb is None or obj is None or not n or num_replicas <= 1:
+        return 0.0
+    m = obj.padded_length(compressor, n, num_replicas)
+    if obj.name == "allgather":
+        return ring_bytes("all-gather", fb.payload_bytes(m), num_replicas)
+    if obj.name == "two_phase":
+        server = getattr(obj, "server_codec", None) or compressor
+        return (ring_bytes("all-to-all", fb.payload_bytes(m), num_replicas)
+                + ring_bytes("all-gather", server.fallback.payload_bytes(m // num_replicas), num_replicas))
+    return 0.0
+
+
+def mean_transfers(mp: MeanPlan, compressor: Compressor, every: int = 1) -> list[Transfer]:
+    """The transfers of one compressed mean: the exact bucket's all-reduce, the compressed
+    bucket's collectives, and a fallback's payloads (on overflow only)."""
+    out = []
+    if mp.exact_bytes:
+        out.append(Transfer("exact bucket", "all-reduce", mp.exact_bytes, every))
+    if mp.compressed_bytes:
+        out.append(Transfer(f"compressed bucket ({mp.compressor_name})", mp.reducer,
+                            mp.compressed_bytes, every))
+    fallback = _fallback_bytes(compressor, mp.reducer_impl, mp.compressed_size, mp.num_replicas)
+    if fallback:
+        out.append(Transfer(f"fallback ({compressor.fallback.name})", mp.reducer, fallback, 0))
+    return out
+
+
+def inner_mean_transfer(leaves: Sequence[Any], inner_replicas: int) -> list[Transfer]:
+    """The exact fp32 mean over a fast inner axis of every floating leaf (hierarchical
+    meshes), or nothing on one inner replica."""
+    if inner_replicas <= 1:
+        return []
+    n = sum(int(np.prod(jnp.shape(l))) for l in leaves if jnp.issubdtype(jnp.result_type(l), jnp.inexact))
+    return [Transfer("inner-axis mean", "all-reduce", ring_bytes("all-reduce", 4 * n, inner_replicas))]
+
+
+def exact_mean_transfers(what: str, leaves: Sequence[Any], num_replicas: int,
+                         every: int = 1) -> list[Transfer]:
+    """The exact mean of every element of ``leaves`` in one all-reduce (fp32; float64 when
+    a leaf is), as :func:`commjax.collectives._exact.exact_mean` sends it."""
+    n = sum(int(np.prod(jnp.shape(l))) for l in leaves)
+    wide = any(jnp.dtype(jnp.result_type(l)) == jnp.float64 for l in leaves)
+    sent = ring_bytes("all-reduce", (8 if wide else 4) * n, num_replicas)
+    return [Transfer(what, "all-reduce", sent, every)] if sent else []
+
+
+def repeated(transfers: Sequence[Transfer], every: int, prefix: str = "") -> list[Transfer]:
+    """``transfers`` run once every ``every`` steps instead of every step (those outside
+    the steady state stay outside), their ``what`` prefixed."""
+    return [Transfer(prefix + t.what, t.collective, t.bytes, every if t.every == 1 else t.every)
+            for t in transfers]
+
+
+def float_baseline(params: Any, num_replicas: int) -> float:
+    """The exact fp32 mean of every floating element of ``params``: one all-reduce."""
+    n = sum(int(np.prod(jnp.shape(l))) for l in jax.tree_util.tree_leaves(params)
+            if jnp.issubdtype(jnp.result_type(l), jnp.inexact))
+    return ring_bytes("all-reduce", 4 * n, num_replicas)
+
+
+def mean_plan(
     compressor: Compressor,
     params: Any,
     num_replicas: int,
@@ -217,17 +278,58 @@ def communication_plan(
     min_compress_size: int = 1024,
     compress_vectors: bool = False,
     check_finite: bool = True,
+    inner_replicas: int = 1,
+    name: Optional[str] = None,
 ) -> CommunicationPlan:
-    """The plan :func:`commjax.compressed_mean` follows for gradients shaped like ``params``.
+    """The :class:`~commjax.accounting.CommunicationPlan` of
+    :func:`commjax.compressed_mean` with ``compressor`` and these options, for gradients
+    shaped like ``params`` (``inner_replicas``: the size of ``inner_axis_name``)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    mp = make_plan(leaves, compressor, num_replicas=num_replicas, reducer=reducer,
+                   min_compress_size=min_compress_size, compress_vectors=compress_vectors,
+                   check_finite=check_finite)
+    check_positive_int("inner_replicas", inner_replicas, factory="communication_plan")
+    transfers = inner_mean_transfer(leaves, inner_replicas) + mean_transfers(mp, compressor)
+    return CommunicationPlan(name or f"compressed_mean({compressor.name})", num_replicas,
+                             tuple(transfers), mp.baseline_bytes, routing=mp)
 
-    Use it to report bytes per step and the compression ratio without compiling::
+
+def communication_plan(what: Any, params: Any, num_replicas: int, **options: Any) -> CommunicationPlan:
+    """What one step of ``what`` sends per device, for inputs shaped like ``params``
+    (arrays or ``jax.ShapeDtypeStruct``) over ``num_replicas``, without compiling.
+
+    ``what`` is one of
+
+    * a codec (``cj.quantize(bits=4)``): the plan of :func:`commjax.compressed_mean` with
+      it; ``options`` are compressed_mean's (``reducer``, ``min_compress_size``,
+      ``compress_vectors``, ``check_finite``) and ``inner_replicas``;
+    * a commjax transform as its factory returned it (``cj.compressed_mean(...)``,
+      ``cj.zero(...)``, ``cj.dgc(...)``, ``cj.onebit_adam(...)``, ``cj.diloco(...)``,
+      ``cj.streaming_diloco(...)``, ``cj.decoupled_momentum(...)``,
+      ``cj.accumulate(...)``); ``options``: ``inner_replicas`` where the transform has an
+      inner axis;
+    * a collective op (``cj.fsdp_gather``, ``cj.collectives.all_gather``,
+      ``reduce_scatter``, ``all_reduce``); ``options`` are the op's own (``codec``,
+      ``grad_codec``, ...).
+
+    The plan lists every :class:`~commjax.accounting.Transfer` the compiled step holds::
 
         plan = cj.communication_plan(cj.quantize(bits=4), params, num_replicas=8)
-        print(plan.summary())
+        print(plan.summary())      # bytes per step against the exact fp32 mean
+        plan.compiled_bytes == cj.collective_bytes(step, ...).total_ring_bytes
+
+    Raises:
+      TypeError: ``what`` has no plan (an ``optax.chain`` hides its parts: ask for the
+        commjax transform inside it).
     """
-    leaves = jax.tree_util.tree_leaves(params)
-    return make_plan(
-        leaves, compressor, num_replicas=num_replicas, reducer=reducer,
-        min_compress_size=min_compress_size, compress_vectors=compress_vectors,
-        check_finite=check_finite,
-    )
+    check_positive_int("num_replicas", num_replicas, factory="communication_plan")
+    if isinstance(what, Compressor):
+        return mean_plan(what, params, num_replicas, **options)
+    planner = planner_of(what)
+    if planner is None:
+        raise TypeError(
+            f"communication_plan: {what!r} has no plan. Pass a codec (cj.quantize(bits=4)), a "
+            "commjax transform as its factory returned it (cj.zero(...), cj.diloco(...); not "
+            "an optax.chain around it) or a collective op (cj.fsdp_gather, "
+            "cj.collectives.all_gather, ...).")
+    return planner(params, num_replicas, **options)

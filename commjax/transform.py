@@ -26,6 +26,7 @@ leaves (top-k, random-k, threshold) join ``x``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -40,7 +41,8 @@ from commjax.compressors.base import Compressor
 from commjax.exchanges import exchange_for
 from commjax.guards import AxisNotBoundError
 from commjax.layout import per_replica
-from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
+from commjax.accounting import with_plan
+from commjax.plan import COMPRESS, EXACT, PASS, MeanPlan, make_plan, mean_plan
 
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
 
@@ -98,7 +100,7 @@ class ExchangeConfig:
     num_replicas: Optional[int]
     seed: int
 
-    def plan(self, leaves, num_replicas: int) -> CommunicationPlan:
+    def plan(self, leaves, num_replicas: int) -> MeanPlan:
         return make_plan(
             leaves, self.compressor, num_replicas=num_replicas, reducer=self.reducer,
             min_compress_size=self.min_compress_size, compress_vectors=self.compress_vectors,
@@ -111,7 +113,7 @@ class ExchangeConfig:
         return self.error_feedback and not self.compressor.lossless
 
 
-def _residual_shapes(cfg: ExchangeConfig, plan: CommunicationPlan) -> tuple[tuple[int, ...], ...]:
+def _residual_shapes(cfg: ExchangeConfig, plan: MeanPlan) -> tuple[tuple[int, ...], ...]:
     """Shape of each worker residual the state holds: one flat array per compressed leaf,
     none without error feedback or for a lossless compressor."""
     if not cfg.feedback:
@@ -151,7 +153,7 @@ def _validate(cfg: ExchangeConfig, leaves, state: CompressedMeanState):
     return plan, n_rep
 
 
-def _check_state(cfg: ExchangeConfig, plan: CommunicationPlan, state, n_rep: int) -> None:
+def _check_state(cfg: ExchangeConfig, plan: MeanPlan, state, n_rep: int) -> None:
     """The state must be what ``init`` makes for these gradients, compressor and replica
     count, in its local (per-replica) view: say which of these differs."""
     if not isinstance(state, CompressedMeanState):
@@ -215,7 +217,7 @@ def _residual_mismatch(have, want, n_rep: int) -> str:
             "parameters or other options?")
 
 
-def _inner_mean(cfg: ExchangeConfig, leaves, plan: CommunicationPlan) -> list:
+def _inner_mean(cfg: ExchangeConfig, leaves, plan: MeanPlan) -> list:
     """Hierarchical exchange: the exact mean over the fast inner axis comes first; only
     the slow axis sees compression."""
     if cfg.inner_axis_name is None:
@@ -234,7 +236,7 @@ class _Exact(NamedTuple):
     shared_key: Any  # the state's key as every replica holds it (replica 0's)
 
 
-def _exact_stage(cfg: ExchangeConfig, leaves, plan: CommunicationPlan, n_rep: int,
+def _exact_stage(cfg: ExchangeConfig, leaves, plan: MeanPlan, n_rep: int,
                  key: jax.Array) -> _Exact:
     """The exact fp32 mean of the exact leaves in one all-reduce, with one NaN flag per
     compressed leaf riding along (and replica 0's key, for codecs whose randomness must be
@@ -296,7 +298,7 @@ def _from_real_parts(means: list, leaf):
     return means[0].reshape(leaf.shape).astype(leaf.dtype)
 
 
-def _direct(cfg: ExchangeConfig, plan: CommunicationPlan) -> bool:
+def _direct(cfg: ExchangeConfig, plan: MeanPlan) -> bool:
     return cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
 
 
@@ -373,7 +375,7 @@ def _means(cfg, plan, exact: _Exact, comp: Optional[_Compressed], n_rep) -> list
     return list(comp.means)
 
 
-def _bad_flags(cfg, plan: CommunicationPlan, exact: _Exact, comp: Optional[_Compressed]) -> list:
+def _bad_flags(cfg, plan: MeanPlan, exact: _Exact, comp: Optional[_Compressed]) -> list:
     """Per compressed leaf, replicated: non-finite on some replica before the exchange (the
     flags of the exact stage), or after it (a block that could not be encoded, factors
     that overflowed): read from the payloads' scale words, or from an exchange's factors.
@@ -600,10 +602,21 @@ def compressed_mean(
 
     if isinstance(error_feedback, str):  # "ef21", around the classic step
         init_fn, update_fn = ef21.wrap(cfg, init_fn, update_fn)
-    return optax.GradientTransformation(init_fn, update_fn)
+    return with_plan(optax.GradientTransformation(init_fn, update_fn), functools.partial(_plan, cfg))
 
 
-def _exchange_state(cfg: ExchangeConfig, plan: CommunicationPlan, n_rep: int):
+def _plan(cfg: ExchangeConfig, params, num_replicas: int, inner_replicas: int = 1):
+    """This transform's :func:`commjax.communication_plan` (``inner_replicas``: the size of
+    ``inner_axis_name``)."""
+    if cfg.inner_axis_name is None and inner_replicas != 1:
+        raise ValueError("communication_plan: `inner_replicas` needs a compressed_mean with "
+                         "`inner_axis_name`.")
+    return mean_plan(cfg.compressor, params, num_replicas, reducer=cfg.reducer,
+                     min_compress_size=cfg.min_compress_size, compress_vectors=cfg.compress_vectors,
+                     check_finite=cfg.check_finite, inner_replicas=inner_replicas)
+
+
+def _exchange_state(cfg: ExchangeConfig, plan: MeanPlan, n_rep: int):
     """The compressor's exchange state at init (``()`` when a reducer carries it)."""
     exchange = exchange_for(cfg.compressor)
     if exchange is None or not plan.segments:

@@ -60,7 +60,6 @@ _MODULES = {
     "onebit_adam": "commjax.optimizers.onebit",
     "onebit_lamb": "commjax.optimizers.onebit",
     "dgc": "commjax.optimizers.dgc",
-    "dgc_communication_plan": "commjax.optimizers.dgc",
     "diloco": "commjax.optimizers.diloco",
 }
 
@@ -187,9 +186,8 @@ def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float]
                          num_replicas=num_replicas)
         # Exact fp32 mean during the warm-up, then the 1-bit momentum exchange (sign codes,
         # two-phase reducer): the average over the run.
-        exact = cj.communication_plan(cj.identity(), params, num_replicas).bytes_per_step
-        onebit = cj.communication_plan(cj.sign(block_size=args.block_size), params, num_replicas,
-                                       reducer="two_phase").bytes_per_step
+        plan = cj.communication_plan(tx, params, num_replicas)
+        exact, onebit = plan.bytes_of("warm-up"), plan.bytes_per_step
         w = min(warmup, steps)
         avg = (w * exact + (steps - w) * onebit) / max(steps, 1)
         return Setup(tx, f"{opt} (warm-up {warmup})", None, bytes_per_step=avg,
@@ -197,8 +195,7 @@ def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float]
     if opt == "dgc":
         warmup = 0 if warmup is None else warmup
         tx = lookup(opt)(lr, ratio=args.ratio, momentum=0.9, axis_name=AXIS, warmup_steps=warmup)
-        plan_fn = find("dgc_communication_plan")
-        b = plan_fn(params, num_replicas, ratio=args.ratio).bytes_per_step if plan_fn else None
+        b = cj.communication_plan(tx, params, num_replicas).bytes_per_step
         return Setup(tx, f"dgc({args.ratio:g}) + momentum", None, bytes_per_step=b)
     if opt == "diloco":
         comp = make_compressor(args)
@@ -206,7 +203,7 @@ def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float]
         tx = lookup(opt)(optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=h,
                          axis_name=AXIS, compressor=None if args.compressor == "identity" else comp,
                          error_feedback=not args.no_error_feedback, num_replicas=num_replicas)
-        sync = cj.communication_plan(comp, params, num_replicas).bytes_per_step
+        sync = cj.communication_plan(tx, params, num_replicas).peak_bytes
         return Setup(tx, f"diloco(H={h}, {compressor_label(args)})", None, per_replica_params=True,
                      bytes_per_step=sync / h, bytes_note=f"average: {sync:,.0f} B every {h} steps",
                      sync_every=h)
@@ -214,7 +211,7 @@ def make_setup(args: Any, params: Any, num_replicas: int, *, lr: Optional[float]
         return _streaming_setup(args, params, num_replicas, lr)
     if opt == "decoupled_momentum":
         tx = lookup(opt)(lr, beta=args.beta, chunk_size=args.chunk_size, top_k=args.top_k, axis_name=AXIS)
-        b = cj.decoupled_momentum_wire_bytes(params, num_replicas, chunk_size=args.chunk_size, top_k=args.top_k)
+        b = cj.communication_plan(tx, params, num_replicas).bytes_per_step
         return Setup(tx, f"decoupled_momentum(c={args.chunk_size}, k={args.top_k})", None, bytes_per_step=b)
     raise SystemExit(f"error: unknown --optimizer {opt!r}")
 
@@ -228,13 +225,13 @@ def _streaming_setup(args: Any, params: Any, num_replicas: int, lr: float) -> Se
         optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=h,
         fragments=args.fragments, overlap=args.overlap, mix=args.mix, axis_name=AXIS, compressor=comp,
         error_feedback=not args.no_error_feedback, num_replicas=num_replicas)
-    b = cj.streaming_diloco_bytes(params, num_replicas, sync_every=h, fragments=args.fragments, compressor=comp)
+    b = cj.communication_plan(tx, params, num_replicas)
     # Fragments are merged at different steps (and mixed with each worker's own values
     # when --mix > 0), so the workers' parameters never all agree at once.
     whole = args.fragments == 1 and args.overlap == 0 and args.mix == 0
     return Setup(tx, f"streaming_diloco(H={h}, P={args.fragments}, tau={args.overlap}, {compressor_label(args)})",
-                 None, per_replica_params=True, bytes_per_step=b.per_inner_step,
-                 bytes_note=f"peak {b.peak:,.0f} B (one fragment), average {b.per_inner_step:,.0f} B",
+                 None, per_replica_params=True, bytes_per_step=b.bytes_per_step,
+                 bytes_note=f"peak {b.peak_bytes:,.0f} B (one fragment), average {b.bytes_per_step:,.0f} B",
                  sync_every=h if whole else None, replicas_agree=whole)
 
 
@@ -522,7 +519,7 @@ def run(trainer: DataParallel, setup: Setup, batch_fn: Callable[[int], Any], ste
         bytes_per_step = hlo
     n_float = sum(int(np.prod(np.shape(x))) for x in jax.tree_util.tree_leaves(trainer.eval_params())
                   if jnp.issubdtype(jnp.result_type(x), jnp.floating))
-    baseline = cj.exact_mean_bytes(n_float, trainer.n)
+    baseline = cj.ring_bytes("all-reduce", 4 * n_float, trainer.n)
     eval_every = eval_every or max(1, steps // 10)
     result = RunResult(setup.label, [], [], [], [], bytes_per_step, hlo, baseline, 0.0, compile_s, True, {})
     bar = Progress(steps, initial=start, desc=desc, enabled=progress, position=position,

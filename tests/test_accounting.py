@@ -14,8 +14,9 @@ from commjax.accounting import (
     ALL_TO_ALL,
     COLLECTIVE_PERMUTE,
     REDUCE_SCATTER,
+    CommunicationPlan,
+    Transfer,
     collective_bytes,
-    exact_mean_bytes,
     hlo_collective_dtypes,
     parse_hlo_collectives,
     ring_bytes,
@@ -67,10 +68,14 @@ def test_ring_bytes_group_of_one_and_errors():
         ring_bytes(ALL_REDUCE, -1, 4)
 
 
-def test_exact_mean_bytes():
-    assert exact_mean_bytes(1000, 8) == pytest.approx(2 * 7 / 8 * 4000)
-    assert exact_mean_bytes(1000, 8, itemsize=2) == pytest.approx(2 * 7 / 8 * 2000)
-    assert exact_mean_bytes(1000, 1) == 0.0
+def test_plan_totals():
+    """Steady-state average, peak, the static (compiled) count and the ratio of a plan
+    with a per-step, a periodic and an occasional transfer."""
+    plan = CommunicationPlan("t", 8, (Transfer("a", "all-reduce", 100.0), Transfer("b", "all-gather", 400.0, 4),
+                                      Transfer("c", "all-reduce", 7.0, 0)), baseline_bytes=1000.0)
+    assert plan.bytes_per_step == 200.0 and plan.peak_bytes == 500.0 and plan.compiled_bytes == 507.0
+    assert plan.compression_ratio == 5.0 and plan.bytes_of("b") == 400.0
+    assert "every 4 steps" in plan.table() and "occasional" in plan.table() and "5.00x" in plan.summary()
 
 
 # ------------------------------------------------------------- compiled shard_map HLO
@@ -83,7 +88,7 @@ def test_psum_f32(mesh):
     (c,) = rep.collectives
     assert (c.kind, c.dtypes, c.operand_bytes, c.group_size) == (ALL_REDUCE, ("f32",), 4000, 8)
     assert c.ring_bytes == pytest.approx(2 * 7 / 8 * 4000)
-    assert rep.total_ring_bytes == pytest.approx(exact_mean_bytes(1000, 8))
+    assert rep.total_ring_bytes == pytest.approx(ring_bytes(ALL_REDUCE, 4000, 8))
     assert rep.total_operand_bytes == 4000
     assert rep.by_kind() == {ALL_REDUCE: pytest.approx(7000.0)}
     assert not c.in_loop
@@ -151,7 +156,7 @@ def test_two_psums_of_different_dtypes(mesh):
                            jnp.ones(N * 1000, jnp.float32))
     assert sorted(d for c in rep.collectives for d in c.dtypes) == ["f32", "s32"]
     assert rep.total_operand_bytes == 8000
-    assert rep.total_ring_bytes == pytest.approx(2 * exact_mean_bytes(1000, 8))
+    assert rep.total_ring_bytes == pytest.approx(2 * ring_bytes(ALL_REDUCE, 4000, 8))
 
 
 def test_combined_all_reduce_is_summed(mesh):
@@ -159,7 +164,7 @@ def test_combined_all_reduce_is_summed(mesh):
     f = smap(lambda x: lax.psum((x, 2 * x), "data"), mesh, out_specs=(P("data"), P("data")))
     rep = collective_bytes(f, jnp.ones(N * 1000, jnp.float32))
     assert rep.total_operand_bytes == 8000
-    assert rep.total_ring_bytes == pytest.approx(2 * exact_mean_bytes(1000, 8))
+    assert rep.total_ring_bytes == pytest.approx(2 * ring_bytes(ALL_REDUCE, 4000, 8))
 
 
 def test_collective_in_fori_loop_is_flagged(mesh):
@@ -170,7 +175,7 @@ def test_collective_in_fori_loop_is_flagged(mesh):
     (c,) = rep.collectives
     assert c.kind == ALL_REDUCE and c.in_loop
     # static count: once, not times the trip count
-    assert rep.total_ring_bytes == pytest.approx(exact_mean_bytes(1000, 8))
+    assert rep.total_ring_bytes == pytest.approx(ring_bytes(ALL_REDUCE, 4000, 8))
 
 
 def test_collective_in_scan_is_flagged(mesh):

@@ -132,24 +132,28 @@ CASES = [
 
 
 @pytest.mark.parametrize("op,name,make,shape", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_hlo_bytes_equal_wire_bytes(mesh, op, name, make, shape):
+def test_hlo_bytes_equal_the_plan(mesh, op, name, make, shape):
     codec = None if name == "exact" else DET_CODECS[name]
     x = jnp.zeros((N,) + shape, jnp.float32)
     fn = jax.jit(_compat.shard_map(lambda v: make(codec)(v[0]), mesh=mesh, in_specs=P("data"),
                                    out_specs=P("data") if op == "reduce_scatter" else P(),
                                    check_vma=False))
     rep = cj.collective_bytes(fn, x)
-    plan = cc.wire_bytes(op, jax.ShapeDtypeStruct(shape, jnp.float32), N, codec,
-                         reducer="two_phase" if op == "all_reduce" and name != "cast" else "auto")
-    assert rep.total_ring_bytes == pytest.approx(plan, abs=0.5), rep.table()
+    kw = {"reducer": "two_phase" if name != "cast" else "auto"} if op == "all_reduce" else {}
+    plan = cj.communication_plan(getattr(cc, op), jax.ShapeDtypeStruct(shape, jnp.float32), N, codec=codec, **kw)
+    assert rep.total_ring_bytes == pytest.approx(plan.compiled_bytes, abs=0.5), rep.table()
     if codec is not None:
         assert all(d in ("u32",) for c in rep.collectives for d in c.dtypes), rep.table()
 
 
+def _bytes(op, x, n, codec=None, **kw) -> float:
+    return cj.communication_plan(op, x, n, codec=codec, **kw).bytes_per_step
+
+
 def test_compressed_reduce_scatter_bytes_target(mesh):
     shape = (N * 64, 512)
-    exact = cc.wire_bytes("reduce_scatter", jax.ShapeDtypeStruct(shape, jnp.float32), N)
-    q4 = cc.wire_bytes("reduce_scatter", jax.ShapeDtypeStruct(shape, jnp.float32), N, cj.quantize(4))
+    exact = _bytes(cc.reduce_scatter, jax.ShapeDtypeStruct(shape, jnp.float32), N)
+    q4 = _bytes(cc.reduce_scatter, jax.ShapeDtypeStruct(shape, jnp.float32), N, cj.quantize(4))
     assert exact / q4 == pytest.approx(32 / 4.125)
 
 
@@ -157,9 +161,9 @@ def test_sparse_two_phase_bytes_flat_in_replicas():
     x = jax.ShapeDtypeStruct((2048, 512), jnp.float32)
     ratios = {}
     for n in (8, 64):
-        exact = cc.wire_bytes("all_reduce", x, n)
-        ag = cc.wire_bytes("all_reduce", x, n, cj.top_k(0.01), reducer="allgather")
-        tp = cc.wire_bytes("all_reduce", x, n, cj.top_k(0.01), reducer="two_phase")
+        exact = _bytes(cc.all_reduce, x, n)
+        ag = _bytes(cc.all_reduce, x, n, cj.top_k(0.01), reducer="allgather")
+        tp = _bytes(cc.all_reduce, x, n, cj.top_k(0.01), reducer="two_phase")
         ratios[n] = (exact / ag, exact / tp)
     assert ratios[64][0] < 2.0  # the all-gather grows with N
     assert ratios[64][1] >= 10.0 and ratios[8][1] >= 10.0

@@ -262,8 +262,7 @@ def test_hlo_bytes_equal_the_plan(values_dtype, n_rep):
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
     tx = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, values_dtype=values_dtype)
     rep = update_collectives(tx, params, n_rep)
-    plan = cj.decoupled_momentum_wire_bytes(params, n_rep, chunk_size=C, top_k=K,
-                                            values_dtype=values_dtype)
+    plan = cj.communication_plan(tx, params, n_rep).compiled_bytes
     assert rep.total_ring_bytes == plan, rep.table()
     assert [c.kind for c in rep.collectives] == ["all-gather"] and rep.dtypes == {"u32"}
     # Analytic count by hand: tiles a 4, w 4, t 3 -> 11; 1-D chunks b 2; K coefficients
@@ -277,7 +276,7 @@ def test_hlo_bytes_equal_the_plan(values_dtype, n_rep):
 def test_payload_ratio_of_a_full_tile():
     """A 64 x 64 tile with 32 coefficients kept sends 32 * (4 + 2) bytes: 85x below fp32."""
     params = {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32)}
-    payload = cj.decoupled_momentum_wire_bytes(params, 2)
+    payload = cj.communication_plan(cj.decoupled_momentum(0.1), params, 2).bytes_per_step
     assert payload == 8 * 32 * 6
     assert 256 * 128 * 4 / payload == pytest.approx(4096 * 4 / 192)
 

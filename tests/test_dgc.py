@@ -10,12 +10,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import commjax as cj
 from commjax import _compat
 from commjax.accounting import collective_bytes
 from commjax.compressors.exact import identity
 from commjax.compressors.sparse import top_k
 from commjax.layout import shard_state, state_specs
-from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ratios
+from commjax.optimizers.dgc import DGCState, dgc, dgc_ratios
 from commjax.testing import noniid_classification, train
 from commjax.transform import AxisNotBoundError, compressed_mean
 
@@ -233,11 +234,11 @@ def test_hlo_bytes_match_analytic_plan(mesh):
     grads = {k: jax.ShapeDtypeStruct((N,) + v.shape, v.dtype, sharding=NamedSharding(mesh, P("data")))
              for k, v in params.items()}
     report = collective_bytes(f, grads, jax.tree_util.tree_map(glob, state, specs))
-    plan = dgc_communication_plan(params, N, ratio=0.01)
-    assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-9), report.table()
+    plan = cj.communication_plan(tx, params, N)
+    assert report.total_ring_bytes == pytest.approx(plan.compiled_bytes, rel=1e-9), report.table()
     k = math.ceil(0.01 * 512 * 256) + math.ceil(0.01 * 256 * 300)
-    assert plan.compressed_bytes == pytest.approx((N - 1) * 8 * k)
-    assert plan.exact_bytes == pytest.approx(2 * (N - 1) / N * 4 * 301)  # bias + NaN flag
+    assert plan.bytes_of("top-k") == pytest.approx((N - 1) * 8 * k)
+    assert plan.bytes_of("exact bucket") == pytest.approx(2 * (N - 1) / N * 4 * 301)  # bias + NaN flag
     assert [c.dtypes for c in report.of_kind("all-gather")] == [("u32",)]
     assert plan.compression_ratio > 10
 

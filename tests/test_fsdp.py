@@ -168,11 +168,11 @@ def test_hlo_bytes_equal_analytic(mesh):
     x = jax.ShapeDtypeStruct((N, 4, 1000), jnp.float32)
     fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(P(AX), P(AX)), out_specs=P(AX)))
     rep = cj.collective_bytes(fn, shards, x)
-    want = cj.fsdp_wire_bytes(like, N, codec, grad_codec, align=256)
-    assert rep.total_ring_bytes == pytest.approx(want["total"], abs=0.5), rep.table()
-    exact = cj.fsdp_wire_bytes(like, N, align=256)
-    assert exact["all_gather"] / want["all_gather"] >= 3.5
-    assert exact["reduce_scatter"] / want["reduce_scatter"] >= 6.0
+    want = cj.communication_plan(cj.fsdp_gather, like, N, codec=codec, grad_codec=grad_codec, align=256)
+    assert rep.total_ring_bytes == pytest.approx(want.compiled_bytes, abs=0.5), rep.table()
+    exact = cj.communication_plan(cj.fsdp_gather, like, N, align=256)
+    assert exact.bytes_of("weights") / want.bytes_of("weights") >= 3.5
+    assert exact.bytes_of("gradients") / want.bytes_of("gradients") >= 6.0
 
 
 def test_errors_name_the_argument(mesh):

@@ -99,7 +99,7 @@ def test_error_feedback_telescopes_and_all_8_devices_agree(mesh, grads, name, re
     comp = COMPRESSORS[name]
     tx, state, step = _setup(comp, mesh, reducer=reducer)
     plan = _plan(comp, reducer)
-    assert (plan.server_residual_size > 0) == (reducer == "two_phase")
+    assert (plan.routing.server_residual_size > 0) == (reducer == "two_phase")
     truth = _true_mean(grads)
     keys = sorted(SHAPES)  # leaf order of the dict pytree
     total = {k: np.zeros_like(v) for k, v in truth.items()}
@@ -114,14 +114,14 @@ def test_error_feedback_telescopes_and_all_8_devices_agree(mesh, grads, name, re
         errs.append(max(np.max(np.abs(np.asarray(out[k])[0] - truth[k])) for k in keys))
     if comp.lossless:  # nothing to feed back: no residual is kept
         assert state.residual == ()
-        res = np.zeros((2, plan.compressed_size))
+        res = np.zeros((2, plan.routing.compressed_size))
     else:
-        res = flat_residual(state, 2, plan.segments).astype(np.float64)
+        res = flat_residual(state, 2, plan.routing.segments).astype(np.float64)
     srv = np.asarray(state.server_residual, np.float64).reshape(-1)
-    comp_keys = [keys[i] for i, r in enumerate(plan.routes) if r == "compress"]
+    comp_keys = [keys[i] for i, r in enumerate(plan.routing.routes) if r == "compress"]
     assert comp_keys == ["v", "w"]
     scale = max(np.max(np.abs(np.asarray(g))) for g in grads.values())
-    for k, seg in zip(comp_keys, plan.segments):
+    for k, seg in zip(comp_keys, plan.routing.segments):
         lo, hi = seg.offset, seg.offset + seg.size
         s_part = srv[lo:hi] if srv.size else 0.0
         rebuilt = total[k].reshape(-1) + res[:, lo:hi].mean(axis=0) + s_part
@@ -185,7 +185,7 @@ def test_fast_axis_exact_f32_slow_axis_compressed(mesh, grads, name):
     outer = [c for c in rep if c.group_size == 2]
     # ici: exact fp32 all-reduces of every float leaf, nothing else.
     assert inner and all(c.kind == "all-reduce" and set(c.dtypes) == {"f32"} for c in inner)
-    assert sum(c.ring_bytes for c in inner) == pytest.approx(cj.exact_mean_bytes(n_float, 4))
+    assert sum(c.ring_bytes for c in inner) == pytest.approx(cj.ring_bytes("all-reduce", 4 * n_float, 4))
     # dcn: exactly what the communication plan for 2 replicas says.
     assert sum(c.ring_bytes for c in outer) == pytest.approx(_plan(comp).bytes_per_step)
     if name != "identity":
@@ -198,12 +198,12 @@ def test_slow_axis_bytes_4bit_at_least_6x_below_exact(mesh, grads):
     n_float = sum(int(np.prod(s)) if s else 1 for s in SHAPES.values())
     rep = _report(COMPRESSORS["q4"], mesh, grads)
     q4_b = sum(c.ring_bytes for c in rep if c.group_size == 2)
-    exact_b = cj.exact_mean_bytes(n_float, 2)  # one fp32 all-reduce of every float over dcn
+    exact_b = cj.ring_bytes("all-reduce", 4 * n_float, 2)  # one fp32 all-reduce of every float over dcn
     assert exact_b >= 6 * q4_b, (exact_b, q4_b)
     # The exact fp32 mean through the same path costs that, plus one NaN flag per leaf.
     ident = _report(COMPRESSORS["identity"], mesh, grads)
     assert sum(c.ring_bytes for c in ident if c.group_size == 2) == pytest.approx(
-        exact_b + 4 * _plan(cj.identity()).num_compressed)
+        exact_b + 4 * _plan(cj.identity()).routing.num_compressed)
 
 
 # ------------------------------------------------------------------------ bad input
@@ -229,10 +229,10 @@ def test_nonfinite_on_one_device_poisons_every_device_but_not_the_state(mesh, gr
     assert np.all(np.isfinite(np.asarray(out_bad["v"])))
     # The NaN leaf's residual (per dcn replica) keeps its value; the others move on.
     plan = _plan(COMPRESSORS["q4"])
-    seg = plan.segments[[i for i, r in enumerate(plan.routes) if r == "compress"].index(3)]
-    assert plan.shapes[3] == SHAPES["w"]  # leaves in key order: b, s, v, w
-    new = flat_residual(state_bad, 2, plan.segments)
-    old = flat_residual(state, 2, plan.segments)
+    seg = plan.routing.segments[[i for i, r in enumerate(plan.routing.routes) if r == "compress"].index(3)]
+    assert plan.routing.shapes[3] == SHAPES["w"]  # leaves in key order: b, s, v, w
+    new = flat_residual(state_bad, 2, plan.routing.segments)
+    old = flat_residual(state, 2, plan.routing.segments)
     lo, hi = seg.offset, seg.offset + seg.padded_size
     np.testing.assert_array_equal(new[:, lo:hi], old[:, lo:hi])
     assert not np.array_equal(new, old)

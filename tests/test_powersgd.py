@@ -143,7 +143,7 @@ def test_accepts_follows_the_compression_rate():
     params = {"w": jnp.zeros((32, 32)), "out": jnp.zeros((32, 10)), "b": jnp.zeros((32,))}
     p4 = cj.communication_plan(powersgd(4), params, N, min_compress_size=256)
     p1 = cj.communication_plan(powersgd(1), params, N, min_compress_size=256)
-    assert p4.num_compressed == 1 and p1.num_compressed == 2
+    assert p4.routing.num_compressed == 1 and p1.routing.num_compressed == 2
 
 
 # ----------------------------------------------------------------------------- orthogonalization
@@ -388,7 +388,7 @@ def test_warmup_then_alternating_phases(mesh):
         assert np.allclose(moved.T @ moved, np.eye(4), atol=1e-5)  # stored orthonormal
     # Bytes: one all-reduce per phase, inside the step's conditional branches.
     report = cj.collective_bytes(step, seq[0], state)
-    segs = cj.communication_plan(comp, params, N, min_compress_size=64).segments
+    segs = cj.communication_plan(comp, params, N, min_compress_size=64).routing.segments
     phases = comp.phase_bytes(segs, N)
     conditional = sorted(c.ring_bytes for c in report.of_kind("all-reduce") if c.in_conditional)
     assert conditional == pytest.approx(sorted([phases["warmup"], phases["p_step"], phases["q_step"]]))
@@ -463,7 +463,7 @@ def test_hlo_bytes_four_1024_layers(mesh, rank, min_ratio):
     grads, state = _global_sds(tx, params, mesh)
     report = cj.collective_bytes(_step_fn(tx, state, mesh), grads, state)
     plan = cj.communication_plan(comp, params, N)
-    assert plan.num_compressed == 4
+    assert plan.routing.num_compressed == 4
     assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-12)
     ars = report.of_kind("all-reduce")
     assert len(report) == len(ars) and report.dtypes == {"f32"}

@@ -118,7 +118,7 @@ def test_the_joined_bucket_is_never_materialised(mesh):
     params = {"a": jnp.zeros((96, 64)), "b": jnp.zeros((40, 100)), "c": jnp.zeros((64,))}
     tx = cj.compressed_mean(cj.sign(), "data")
     plan = cj.communication_plan(cj.sign(), params, N)
-    total = plan.compressed_size
+    total = plan.routing.compressed_size
     assert total == 96 * 64 + 40 * 100 + 96  # 4000 pads to 4096: 16 whole blocks
     state = cj.shard_state(tx.init(params), mesh, "data")
     specs = cj.state_specs(state, "data")

@@ -89,7 +89,7 @@ def test_float64_leaves_keep_their_precision(mesh):
         assert u["d"].dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(u["d"]), np.asarray(g["d"]).mean(0), rtol=1e-14)
         plan = cj.communication_plan(cj.quantize(8), {"d": g["d"][0]}, N)
-        assert plan.routes == ("exact",)
+        assert plan.routing.routes == ("exact",)
         assert cj.collective_bytes(f, g, state).total_ring_bytes == pytest.approx(plan.bytes_per_step)
 
 

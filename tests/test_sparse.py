@@ -363,9 +363,9 @@ def test_allgather_mean_is_sum_of_replicas_sparse_payloads(mesh, comp):
     tx = compressed_mean(comp, "data", min_compress_size=16)
     outs, states = _run(tx, mesh, grads, 1)
     plan = communication_plan(comp, jax.tree_util.tree_map(lambda a: a[0], grads), N, min_compress_size=16)
-    assert plan.reducer == "allgather"
+    assert plan.routing.reducer == "allgather"
     flat = np.concatenate([np.asarray(grads[k]).reshape(N, -1) for k in ("a", "b")], axis=1)
-    local = np.stack([np.asarray(_roundtrip(comp, jnp.asarray(flat[r]), None, plan.segments)) for r in range(N)])
+    local = np.stack([np.asarray(_roundtrip(comp, jnp.asarray(flat[r]), None, plan.routing.segments)) for r in range(N)])
     want = local.mean(0)
     got = np.concatenate([outs[0][k].reshape(N, -1) for k in ("a", "b")], axis=1)
     assert np.all(got == got[:1])
@@ -440,19 +440,19 @@ FOUR_M = [(1024, 1024)] * 4
 def test_hlo_bytes_4m_model_against_exact_mean(mesh, comp, min_ratio):
     report, plan = _compiled_bytes(comp, mesh, FOUR_M)
     exact_report, exact_plan = _compiled_bytes_cached(identity(), mesh, tuple(FOUR_M))
-    assert plan.num_float_elements == 4 * 2**20
+    assert plan.routing.num_float_elements == 4 * 2**20
     assert report.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=1e-9)
     assert exact_report.total_ring_bytes == pytest.approx(exact_plan.bytes_per_step, rel=1e-9)
     ratio = exact_report.total_ring_bytes / report.total_ring_bytes
     assert ratio >= min_ratio, report.table()
-    k = comp.num_kept(plan.compressed_size, plan.segments)
+    k = comp.num_kept(plan.routing.compressed_size, plan.routing.segments)
     assert k == 4 * math.ceil(0.01 * 2**20)
     if comp.name == "random_k":
         # Only the k fp32 values travel (no indices), in one all-reduce.
-        assert plan.compressed_bytes == pytest.approx(2 * (N - 1) / N * 4 * k)
+        assert plan.routing.compressed_bytes == pytest.approx(2 * (N - 1) / N * 4 * k)
         assert {c.kind for c in report} == {"all-reduce"}
     else:
-        assert plan.compressed_bytes == pytest.approx((N - 1) * 8 * k)
+        assert plan.routing.compressed_bytes == pytest.approx((N - 1) * 8 * k)
         assert [c.dtypes for c in report.of_kind("all-gather")] == [("u32",)]
 
 
@@ -469,8 +469,8 @@ def test_hlo_bytes_match_analytic_variants(mesh, comp):
         if c.kind != "all-reduce":
             assert set(c.dtypes) == {"u32"}
     if comp.name == "random_k":  # 2 bytes per value: half of the fp32 random-k
-        k = comp.num_kept(plan.compressed_size, plan.segments)
-        assert plan.compressed_bytes <= 2 * (N - 1) / N * 2 * (k + 2 * N)
+        k = comp.num_kept(plan.routing.compressed_size, plan.routing.segments)
+        assert plan.routing.compressed_bytes <= 2 * (N - 1) / N * 2 * (k + 2 * N)
 
 
 # ---------------------------------------------------------------------- convergence
@@ -487,7 +487,7 @@ def test_topk_error_feedback_converges_near_exact_mean():
         return train(tx, task, STEPS, log_every=STEPS)
 
     plan = communication_plan(top_k(0.01), task.params, N, min_compress_size=MIN_COMPRESS)
-    assert plan.num_compressed == 3  # every weight matrix of the MLP is sparsified
+    assert plan.routing.num_compressed == 3  # every weight matrix of the MLP is sparsified
     exact, ef, noef = run(identity()), run(top_k(0.01)), run(top_k(0.01), ef=False)
     for r in (exact, ef, noef):
         assert r.replicas_identical

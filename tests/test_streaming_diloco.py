@@ -1,5 +1,7 @@
 """Streaming DiLoCo: fragments synced at staggered steps, overlap, mixing, group axis."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import commjax as cj
 from commjax import _compat
 from commjax.accounting import parse_hlo_collectives
 from commjax.optimizers.streaming_diloco import (
-    Piece, StreamingDiLoCoState, fragment_leaves, streaming_diloco, streaming_diloco_bytes,
+    Piece, StreamingDiLoCoState, fragment_leaves, streaming_diloco,
 )
 from commjax.testing import ready, same_bits
 
@@ -27,6 +29,22 @@ TWO = {"w": jnp.zeros((32, 32)), "b": jnp.zeros((32,))}  # one compressed leaf, 
 
 def nesterov():
     return optax.sgd(OUT_LR, momentum=MU, nesterov=True)
+
+
+def streaming_diloco_bytes(params, n, *, sync_every, fragments=1, compressor=None, inner_replicas=1,
+                           inner_compressor=None):
+    """The plan's bytes, by fragment: ``per_fragment``, ``full_sync`` (one fragment),
+    ``per_inner_step``, ``peak``, ``inner_group``."""
+    def plan(p):
+        inner = {} if inner_replicas == 1 else dict(inner_axis_name="inner", inner_compressor=inner_compressor)
+        tx = streaming_diloco(optax.sgd(LR), nesterov(), sync_every=sync_every, fragments=p,
+                              compressor=compressor, **inner)
+        return cj.communication_plan(tx, params, n, inner_replicas=inner_replicas)
+    got = plan(fragments)
+    per = tuple(got.bytes_of(f"fragment {f}") for f in range(fragments))
+    return types.SimpleNamespace(per_fragment=per, full_sync=plan(1).bytes_of("fragment 0"),
+                                 per_inner_step=got.bytes_per_step, peak=got.peak_bytes,
+                                 inner_group=got.bytes_of("inner-axis mean"))
 
 
 def _targets(params, n, seed=0):
@@ -177,7 +195,7 @@ def test_sync_bytes_equal_the_plan_and_peak_is_one_fragment(overlapped):
         assert c.in_conditional and c.group_size == n
         per[c.computation] = per.get(c.computation, 0.0) + c.ring_bytes
     assert sorted(per.values()) == pytest.approx(sorted(plan.per_fragment))
-    assert plan.per_fragment == (cj.exact_mean_bytes(228, n),) * 2
+    assert plan.per_fragment == (cj.ring_bytes("all-reduce", 4 * 228, n),) * 2
     # Uneven leaves, and still exactly half of a full sync at the peak.
     assert max(per.values()) == plan.full_sync / FRAGS
     assert plan.per_inner_step == pytest.approx(plan.full_sync / H)
@@ -238,7 +256,7 @@ def test_static_steps_take_the_collective_out_of_the_conditional(mesh, overlappe
     # nothing waits on them until their merge a step later; traced: both inside one.
     rep_s = parse_hlo_collectives(static.as_text())
     assert [c.in_conditional for c in rep_s] == [False, False]
-    assert [c.ring_bytes for c in rep_s] == [cj.exact_mean_bytes(228, N)] * 2
+    assert [c.ring_bytes for c in rep_s] == [cj.ring_bytes("all-reduce", 4 * 228, N)] * 2
     assert all(c.in_conditional for c in parse_hlo_collectives(traced.as_text()))
     targets = _targets(SMALL, N, seed=6)
     c = overlapped.stack(targets, overlapped.p_shard)
@@ -501,7 +519,7 @@ def test_fragments_balance_elements_and_state_layout():
     assert fragment_leaves({"c": jnp.zeros((5, 4))}, 3)[1] == (Piece(0, 6, 13, (1, 7)),)
     # The exact-mean plan: each fragment exactly 1/P of the full sync when P divides T.
     b = streaming_diloco_bytes(SMALL, N, sync_every=6, fragments=3)
-    assert b.per_fragment == (cj.exact_mean_bytes(152, N),) * 3 and max(b.per_fragment) * 3 == b.full_sync
+    assert b.per_fragment == (cj.ring_bytes("all-reduce", 4 * 152, N),) * 3 and max(b.per_fragment) * 3 == b.full_sync
     tx = streaming_diloco(optax.adam(1e-3), nesterov(), sync_every=4, fragments=2, overlap=1,
                           compressor=cj.quantize(4), num_replicas=N)
     s = tx.init(BIG)

@@ -11,6 +11,9 @@ the *decoded* result, which is identical on every replica of the axis::
     chunk = cc.reduce_scatter(grad, "data", cj.quantize(bits=4), key=key, mean=True)
     total = cc.all_reduce(grad, "data", cj.sign())
 
+``cj.communication_plan(cc.all_gather, x, N, codec=...)`` (likewise ``reduce_scatter``,
+``all_reduce``) gives what an op sends without compiling, equal to the compiled HLO's.
+
 Semantics, for replica ``r`` of ``N``, codec ``C`` (``C(x) = decode(encode(x))``):
 
 ==================  ====================================================  ===========================
@@ -53,8 +56,8 @@ from commjax.collectives.scatter import reduce_scatter
 from commjax.collectives.reduce import all_reduce
 from commjax.collectives.permute import PermuteDelta, delta_state, inject_residual, ppermute
 from commjax.collectives.tensor_parallel import tp_copy, tp_reduce
-from commjax.collectives._bytes import wire_bytes
+from commjax.collectives import _bytes  # noqa: F401  (attaches each op's plan)
 from commjax.collectives._reducers import REDUCERS, valid_reducers
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "ppermute", "delta_state", "PermuteDelta",
-           "inject_residual", "tp_copy", "tp_reduce", "wire_bytes", "REDUCERS", "valid_reducers"]
+           "inject_residual", "tp_copy", "tp_reduce", "REDUCERS", "valid_reducers"]

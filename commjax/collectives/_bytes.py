@@ -1,4 +1,5 @@
-"""Analytic per-device ring bytes of each compressed collective."""
+"""Analytic per-device ring bytes of each compressed collective, attached to each op as its
+:func:`commjax.communication_plan`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from commjax.accounting import ring_bytes
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.compressors.base import Compressor, Segment
 from commjax.collectives._common import _flag_bytes, _is_exact, _items
 from commjax.collectives._reducers import choose_reducer
+from commjax.collectives.gather import all_gather
+from commjax.collectives.reduce import all_reduce
+from commjax.collectives.scatter import reduce_scatter
 
 
 # ---------------------------------------------------------------------- wire bytes
@@ -83,3 +87,26 @@ def _reduce_bytes(leaves, codec, n, reducer) -> float:
         off += it.padded
     red = choose_reducer(codec, reducer, max(off, 1), n, segments)
     return exact + (0.0 if red is None or not off else red.bytes(codec, off, n, segments))
+
+
+def _op_planner(op: str):
+    """The :func:`commjax.communication_plan` of one op: its one transfer (the forward
+    collective; a VJP runs only where the op is differentiated), against the exact fp32
+    all-reduce of the same floats."""
+    def planner(x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
+                reducer: Any = "auto", inner_replicas: int = 1,
+                inner_codec: Optional[Compressor] = None) -> CommunicationPlan:
+        kw = {"reducer": reducer} if op == "all_reduce" else {}
+        sent = wire_bytes(op, x, num_replicas, codec, inner_size=inner_replicas,
+                          inner_codec=inner_codec, **kw)
+        n = sum(math.prod(jnp.shape(l)) for l in jax.tree_util.tree_leaves(x)
+                if jnp.issubdtype(jnp.result_type(l), jnp.inexact))
+        name = op if codec is None else f"{op}({codec.name})"
+        return CommunicationPlan(name, num_replicas, (Transfer("payload", op.replace("_", "-"), sent),),
+                                 ring_bytes("all-reduce", 4 * n, num_replicas))
+    return planner
+
+
+with_plan(all_gather, _op_planner("all_gather"))
+with_plan(reduce_scatter, _op_planner("reduce_scatter"))
+with_plan(all_reduce, _op_planner("all_reduce"))

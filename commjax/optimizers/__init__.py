@@ -6,25 +6,21 @@ and returns updates identical on every replica.
 
 # Other optimizers add their imports and names below.
 from commjax.optimizers.choco import ChocoState, choco, consensus_distance
-from commjax.optimizers.decoupled_momentum import (
-    DecoupledMomentumState, decoupled_momentum, decoupled_momentum_wire_bytes,
-)
-from commjax.optimizers.dgc import DGCState, dgc, dgc_communication_plan, dgc_ratios
+from commjax.optimizers.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
+from commjax.optimizers.dgc import DGCState, dgc, dgc_ratios
 from commjax.optimizers.diloco import DiLoCoState, diloco, landing_update
 from commjax.optimizers.onebit import onebit_adam, onebit_lamb
 from commjax.optimizers.streaming_diloco import (
-    Piece, StreamingDiLoCoBytes, StreamingDiLoCoState, fragment_leaves, streaming_diloco,
-    streaming_diloco_bytes,
+    Piece, StreamingDiLoCoState, fragment_leaves, streaming_diloco,
 )
-from commjax.optimizers.zero import ZeroState, zero, zero_wire_bytes
+from commjax.optimizers.zero import ZeroState, zero
 
 __all__ = [
     "ChocoState", "choco", "consensus_distance",
-    "DecoupledMomentumState", "decoupled_momentum", "decoupled_momentum_wire_bytes",
-    "DGCState", "dgc", "dgc_communication_plan", "dgc_ratios",
+    "DecoupledMomentumState", "decoupled_momentum",
+    "DGCState", "dgc", "dgc_ratios",
     "DiLoCoState", "diloco", "landing_update",
     "onebit_adam", "onebit_lamb",
-    "StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco", "fragment_leaves", "Piece",
-    "streaming_diloco_bytes",
-    "ZeroState", "zero", "zero_wire_bytes",
+    "StreamingDiLoCoState", "streaming_diloco", "fragment_leaves", "Piece",
+    "ZeroState", "zero",
 ]

@@ -31,7 +31,7 @@ all 1-D chunks), so the compiled step does not grow with the number of leaves.
 Bytes per device and step: one all-gather of ``W`` uint32 words per replica,
 ``W = sum_groups ceil(L / 2) + L`` (fp32 values) or ``2 ceil(L / 2)`` (bf16 values), with
 ``L = chunks * k`` the coefficients of a group (all tiles; all 1-D chunks):
-``(N - 1) * 4 W`` (:func:`decoupled_momentum_wire_bytes`). Nothing else is communicated;
+``(N - 1) * 4 W`` (:func:`commjax.communication_plan`). Nothing else is communicated;
 a NaN/Inf flag rides in the payload (see :func:`decoupled_momentum`).
 
 Reference: B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum Optimization",
@@ -52,13 +52,12 @@ import optax
 from jax import lax
 
 from commjax import _compat, guards, validation
-from commjax.accounting import ring_bytes
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.layout import per_replica
 
 __all__ = [
     "DecoupledMomentumState",
     "decoupled_momentum",
-    "decoupled_momentum_wire_bytes",
     "dct_matrix",
 ]
 
@@ -442,7 +441,7 @@ def decoupled_momentum(
 
     Bytes per device and step: ``(N - 1) * 4 W`` for one all-gather of ``W`` uint32 words
     (per leaf: ``chunks * top_k`` indices as uint16, two per word, and as many fp32 or
-    bf16 values); :func:`decoupled_momentum_wire_bytes` computes it. With the defaults a
+    bf16 values); :func:`commjax.communication_plan` computes it. With the defaults a
     full 64 x 64 tile sends 192 of its 16384 bytes (85x less than fp32).
 
     Non-finite values: a replica whose momentum is not finite sends NaN values; every
@@ -478,27 +477,21 @@ def decoupled_momentum(
         learning_rate, beta, chunk_size, top_k, weight_decay, values_dtype)
     axis_name = validation.check_axis_name("axis_name", axis_name, factory="decoupled_momentum")
     cfg = _Config(learning_rate, beta, chunk_size, top_k, axis_name, weight_decay, values_dtype)
-    return optax.GradientTransformation(lambda params: _init(cfg, params),
-                                        lambda u, s, params=None: _update(cfg, u, s, params))
+    return with_plan(optax.GradientTransformation(lambda params: _init(cfg, params),
+                                                  lambda u, s, params=None: _update(cfg, u, s, params)),
+                     functools.partial(_plan, cfg))
 
 
-def decoupled_momentum_wire_bytes(
-    params: Any,
-    num_replicas: int,
-    *,
-    chunk_size: int = 64,
-    top_k: int = 32,
-    values_dtype: Any = jnp.float32,
-) -> float:
-    """Per-device bytes of one :func:`decoupled_momentum` step over ``num_replicas``
-    (ring convention, as :func:`commjax.collective_bytes` reads them from the HLO):
-    ``(N - 1) * 4 W``, ``W`` the uint32 words of one replica's payload. With
-    ``num_replicas=2`` it is one replica's payload in bytes.
-    """
-    _, chunk_size, top_k, _, values_dtype = _check_options(
-        0.0, 0.0, chunk_size, top_k, 0.0, values_dtype)
-    validation.check_positive_int("num_replicas", num_replicas, factory="decoupled_momentum_wire_bytes")
-    cfg = _Config(0.0, 0.0, chunk_size, top_k, None, 0.0, values_dtype)
-    layout = _layout(jax.tree_util.tree_leaves(params), cfg, "decoupled_momentum_wire_bytes")
+def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
+    """What one :func:`decoupled_momentum` step sends per device (its
+    :func:`commjax.communication_plan`): ``(N - 1) * 4 W`` for the all-gather of the ``W``
+    uint32 words of one replica's payload."""
+    validation.check_positive_int("num_replicas", num_replicas, factory="communication_plan")
+    leaves = jax.tree_util.tree_leaves(params)
+    layout = _layout(leaves, cfg, "communication_plan")
     words = sum(grp.index_words + grp.value_words for grp in _groups(layout, cfg))
-    return ring_bytes("all-gather", 4 * words, num_replicas)
+    n = sum(math.prod(np.shape(l)) for l in leaves if jnp.issubdtype(jnp.result_type(l), jnp.floating))
+    return CommunicationPlan(
+        "decoupled_momentum", num_replicas,
+        (Transfer("top-k DCT coefficients", "all-gather", ring_bytes("all-gather", 4 * words, num_replicas)),),
+        ring_bytes("all-reduce", 4 * n, num_replicas))

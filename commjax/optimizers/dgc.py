@@ -27,6 +27,7 @@ Reducing the Communication Bandwidth for Distributed Training", ICLR 2018.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -37,15 +38,15 @@ import optax
 from jax import lax
 
 from commjax import bucket as flat_bucket, guards, validation
-from commjax.accounting import ring_bytes
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._exact import exact_mean
 from commjax.collectives._reducers import reduce_parts
 from commjax.compressors.base import Segment
 from commjax.compressors.sparse import TopK, top_k
 from commjax.layout import per_replica
-from commjax.plan import COMPRESS, EXACT, PASS, CommunicationPlan, make_plan
+from commjax.plan import COMPRESS, EXACT, PASS, MeanPlan, make_plan
 
-__all__ = ["DGCState", "dgc", "dgc_communication_plan", "dgc_ratios"]
+__all__ = ["DGCState", "dgc", "dgc_ratios"]
 
 METRIC_NAMES = ("density", "ratio", "residual_norm", "nonfinite")
 
@@ -107,7 +108,7 @@ class _Config:
     def codecs(self) -> list[TopK]:
         return [dataclasses.replace(self.codec, ratio=r) for r in self.ratios]
 
-    def plan(self, leaves: Sequence[Any], num_replicas: int) -> CommunicationPlan:
+    def plan(self, leaves: Sequence[Any], num_replicas: int) -> MeanPlan:
         return make_plan(
             leaves, self.codecs()[-1], num_replicas=num_replicas,
             reducer="allgather" if num_replicas > 1 else "auto",
@@ -301,7 +302,7 @@ def dgc(
     Bytes per device and step (``N`` replicas, ``K`` entries kept per replica, ``E``
     exact elements): ``(N - 1) * 8 K`` (fp32 values, uint32 indices) plus
     ``2 (N - 1)/N * 4 (E + 1)`` for the exact all-reduce (one float is the NaN flag); see
-    :func:`dgc_communication_plan`. During warm-up ``K`` follows the stage's density.
+    :func:`commjax.communication_plan`. During warm-up ``K`` follows the stage's density.
 
     Non-finite gradients: if any replica's gradient has a NaN/Inf, the update is NaN on
     every replica and ``u``, ``v`` and the dense momentum keep their previous values.
@@ -362,34 +363,22 @@ def dgc(
     def update_fn(updates, state, params=None):
         return _update(cfg, updates, state, params)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return with_plan(optax.GradientTransformation(init_fn, update_fn), functools.partial(_plan, cfg))
 
 
-def dgc_communication_plan(
-    params: Any,
-    num_replicas: int,
-    *,
-    ratio: float = 0.001,
-    scope: str = "leaf",
-    values_dtype: Any = jnp.float32,
-    chunk_size: Optional[int] = None,
-    min_compress_size: int = 1024,
-    compress_vectors: bool = False,
-) -> CommunicationPlan:
-    """What one :func:`dgc` step at density ``ratio`` sends, per device (ring convention).
-
-    The compressed leaves travel as top-k payloads through one all-gather; the exact
-    leaves and one NaN/Inf flag through one fp32 all-reduce.
-    """
-    codec = top_k(ratio, scope=scope, values_dtype=values_dtype, chunk_size=chunk_size)
-    cfg = _Config(
-        learning_rate=0.0, momentum=0.0, ratios=(float(ratio),), axis_name=None, clip_norm=None,
-        warmup_steps=0, nesterov=False, weight_decay=0.0, codec=codec,
-        min_compress_size=min_compress_size, compress_vectors=compress_vectors,
-    )
-    plan = cfg.plan(jax.tree_util.tree_leaves(params), num_replicas)
-    exact = plan.exact_size + 1
-    return dataclasses.replace(
-        plan, compressor_name="dgc", exact_size=exact,
-        exact_bytes=float(ring_bytes("all-reduce", 4 * exact, num_replicas)),
-    )
+def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
+    """What one :func:`dgc` step sends per device (its :func:`commjax.communication_plan`):
+    the exact leaves and one NaN/Inf flag in one fp32 all-reduce, the compressed leaves'
+    top-k payloads in one all-gather at the final density; each warm-up density's
+    all-gather sits in its own branch of the compiled step."""
+    leaves = jax.tree_util.tree_leaves(params)
+    mp = cfg.plan(leaves, num_replicas)
+    exact = ring_bytes("all-reduce", 4 * (mp.exact_size + 1), num_replicas)
+    transfers = [Transfer("exact bucket", "all-reduce", exact)] if exact else []
+    for k, r in enumerate(cfg.ratios):
+        sent = dataclasses.replace(cfg, ratios=(r,)).plan(leaves, num_replicas).compressed_bytes
+        last = k == len(cfg.ratios) - 1
+        if sent:
+            transfers.append(Transfer(f"top-k at density {r:g}" + ("" if last else " (warm-up)"),
+                                      mp.reducer, sent, 1 if last else 0))
+    return CommunicationPlan("dgc", num_replicas, tuple(transfers), mp.baseline_bytes, routing=mp)

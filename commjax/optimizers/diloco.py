@@ -23,6 +23,7 @@ Language Models" (arXiv:2311.08105).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -31,9 +32,11 @@ import optax
 from jax import lax
 
 from commjax import _compat, guards, validation
+from commjax.accounting import CommunicationPlan, Transfer, with_plan
 from commjax.collectives._exact import exact_mean
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica, per_replica_mask
+from commjax.plan import communication_plan, exact_mean_transfers, float_baseline, repeated
 from commjax.transform import compressed_mean
 
 __all__ = ["DiLoCoState", "diloco", "landing_update"]
@@ -358,5 +361,37 @@ def diloco(
     inner_tx = inner_exchange(inner_compressor, inner_axis_name, error_feedback=error_feedback,
                               inner_replicas=inner_replicas, seed=seed + 1, factory="diloco")
     cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx, inner_axis_name, inner_tx)
-    return optax.GradientTransformation(lambda params: _init(cfg, params),
-                                        lambda u, s, params=None: _update(cfg, u, s, params))
+    return with_plan(optax.GradientTransformation(lambda params: _init(cfg, params),
+                                                  lambda u, s, params=None: _update(cfg, u, s, params)),
+                     functools.partial(_plan, cfg))
+
+
+def _f32(params: Any) -> Any:
+    return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), params)
+
+
+def group_transfers(cfg: Any, params: Any, inner_replicas: int) -> list[Transfer]:
+    """Every step's gradient mean over ``cfg.inner_axis_name`` (``inner_replicas`` devices):
+    the exact fp32 all-reduce, or ``cfg.inner_tx``'s plan; nothing without an inner axis."""
+    if (inner_replicas > 1) != (cfg.inner_axis_name is not None):
+        raise ValueError("communication_plan: pass `inner_replicas` (the size of "
+                         "`inner_axis_name`) exactly when the transform has an inner axis.")
+    if inner_replicas <= 1:
+        return []
+    if cfg.inner_tx is None:
+        return exact_mean_transfers("inner-axis mean", jax.tree_util.tree_leaves(params), inner_replicas)
+    return repeated(communication_plan(cfg.inner_tx, params, inner_replicas).transfers, 1, "inner-axis mean: ")
+
+
+def _plan(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1) -> CommunicationPlan:
+    """What :func:`diloco` sends per device (its :func:`commjax.communication_plan`): the
+    mean pseudo-gradient (exact fp32, or the compressor's plan) once every ``sync_every``
+    steps, and the gradient mean over the inner axis every step."""
+    deltas = _f32(params)
+    if cfg.exchange_tx is None:
+        sync = exact_mean_transfers("pseudo-gradient", jax.tree_util.tree_leaves(deltas), num_replicas)
+    else:
+        sync = repeated(communication_plan(cfg.exchange_tx, deltas, num_replicas).transfers, 1,
+                        "pseudo-gradient: ")
+    transfers = group_transfers(cfg, params, inner_replicas) + repeated(sync, cfg.sync_every)
+    return CommunicationPlan("diloco", num_replicas, tuple(transfers), float_baseline(params, num_replicas))

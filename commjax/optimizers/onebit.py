@@ -43,7 +43,7 @@ Bytes per step and device (``n`` floats compressed, ``N`` replicas, ring convent
 warm-up ``2 (N-1)/N * 4 n`` (the exact mean); compression
 ``2 (N-1)/N * n (1 + 32 / block_size) / 8`` plus a small fp32 all-reduce of the leaves
 too small to compress (biases, norms); a non-finite block is told by the gathered scale
-words, so no NaN flags travel (:attr:`CommunicationPlan.finite_flags`). At the
+words, so no NaN flags travel (:attr:`commjax.plan.MeanPlan.finite_flags`). At the
 default ``block_size=256`` that is 28.4x less than the exact mean for the compressed
 leaves. With ``0 < warmup_steps`` both stages are compiled into one program behind a
 ``lax.cond``; only the branch of the current stage runs its collectives.
@@ -62,6 +62,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -71,8 +72,10 @@ import optax
 from jax import lax
 
 from commjax import guards, validation
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._exact import exact_mean
 from commjax.compressors.sign import sign
+from commjax.plan import communication_plan, exact_mean_transfers, float_baseline
 from commjax.transform import CompressedMeanState, compressed_mean
 
 __all__ = [
@@ -186,6 +189,25 @@ def _exchange_tx(cfg: _Config) -> optax.GradientTransformation:
         compress_vectors=cfg.compress_vectors, server_error_feedback=True, check_finite=True,
         num_replicas=cfg.num_replicas,
     )
+
+
+def _plan(cfg: _Config, lamb: Optional[_LambConfig], params: Any, num_replicas: int) -> CommunicationPlan:
+    """What :func:`onebit_adam` (``lamb`` None) or :func:`onebit_lamb` sends per device (its
+    :func:`commjax.communication_plan`): after warm-up, the 1-bit momentum exchange every
+    step (and LAMB's per-leaf factors with weight decay); during warm-up, the exact mean of
+    the gradients (and LAMB's per-leaf trust ratios), in the other branch of the step."""
+    leaves = jax.tree_util.tree_leaves(params)
+    f32 = [jax.ShapeDtypeStruct(jnp.shape(l), jnp.float32) for l in leaves]
+    scalars = ring_bytes("all-reduce", 4 * len(leaves), num_replicas)
+    transfers = list(communication_plan(_exchange_tx(cfg), f32, num_replicas).transfers)
+    if lamb is not None and cfg.weight_decay and scalars:
+        transfers.append(Transfer("LAMB factors", "all-reduce", scalars))
+    if cfg.warmup_steps:
+        transfers += exact_mean_transfers("warm-up gradients", leaves, num_replicas, every=0)
+        if lamb is not None and scalars:
+            transfers.append(Transfer("warm-up trust ratios", "all-reduce", scalars, 0))
+    name = "onebit_adam" if lamb is None else "onebit_lamb"
+    return CommunicationPlan(name, num_replicas, tuple(transfers), float_baseline(leaves, num_replicas))
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -400,7 +422,8 @@ def onebit_adam(
         bias_correction=bias_correction, min_compress_size=min_compress_size,
         compress_vectors=compress_vectors, num_replicas=num_replicas, min_warmup=0,
     )
-    return _schedule_chain(_scale_by_onebit_adam(cfg), learning_rate, cfg.weight_decay)
+    return with_plan(_schedule_chain(_scale_by_onebit_adam(cfg), learning_rate, cfg.weight_decay),
+                     functools.partial(_plan, cfg, None))
 
 
 # ----------------------------------------------------------------------------- 1-bit LAMB
@@ -641,4 +664,4 @@ def onebit_lamb(
     lc = _lamb_config(cfg, min_coeff=min_coeff, max_coeff=max_coeff, coeff_beta=coeff_beta,
                       factor_min=factor_min, factor_max=factor_max,
                       factor_threshold=factor_threshold)
-    return _schedule_chain(_scale_by_onebit_lamb(lc), learning_rate)
+    return with_plan(_schedule_chain(_scale_by_onebit_lamb(lc), learning_rate), functools.partial(_plan, cfg, lc))

@@ -24,7 +24,7 @@ of a DiLoCo sync, plus one element) or the bytes of :func:`commjax.compressed_me
 the chosen compressor on the fragment's pieces (``1/P`` of a sync up to the reducer's
 granule of ``block * N`` elements, and one fp32 NaN flag per cut piece for a codec whose
 payloads cannot tell a non-finite block). The average per inner step is a DiLoCo sync
-divided by ``H``, as in DiLoCo (:func:`streaming_diloco_bytes`).
+divided by ``H``, as in DiLoCo (:func:`commjax.communication_plan`).
 
 With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is :func:`commjax.diloco`, bit for bit.
 
@@ -36,6 +36,7 @@ Distributed Low-Communication Training of Language Models" (arXiv:2311.08105).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -46,18 +47,19 @@ import optax
 from jax import lax
 
 from commjax import _compat, guards, validation
-from commjax.accounting import exact_mean_bytes
+from commjax.accounting import CommunicationPlan, with_plan
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.optimizers.diloco import (
     _Config as _DiLoCoConfig, _all_finite, _check_vary, _group, _inner_step, _pseudo_mean,
-    _vary_marked, inner_exchange, landing_update,
+    _vary_marked, group_transfers, inner_exchange, landing_update,
 )
-from commjax.plan import COMPRESS, communication_plan, route_leaf
+from commjax.plan import (
+    COMPRESS, communication_plan, exact_mean_transfers, float_baseline, repeated, route_leaf,
+)
 from commjax.transform import compressed_mean
 
-__all__ = ["StreamingDiLoCoState", "StreamingDiLoCoBytes", "streaming_diloco", "Piece",
-           "fragment_leaves", "streaming_diloco_bytes"]
+__all__ = ["StreamingDiLoCoState", "streaming_diloco", "Piece", "fragment_leaves"]
 
 _NAME = "streaming_diloco"
 
@@ -92,25 +94,6 @@ class StreamingDiLoCoState(NamedTuple):
     exchange: Any
     pending: Any
     inner_exchange: Any = ()
-
-
-class StreamingDiLoCoBytes(NamedTuple):
-    """Bytes per device on the wire (see :func:`streaming_diloco_bytes`).
-
-    Attributes:
-      per_fragment: bytes of one sync of each fragment.
-      peak: the largest step's bytes (the largest fragment's sync).
-      per_inner_step: average over a round: ``sum(per_fragment) / sync_every``.
-      full_sync: a DiLoCo sync of the whole parameter set with the same compressor.
-      inner_group: bytes per step of the gradient mean over ``inner_axis_name`` (exact,
-        or the ``inner_compressor``'s plan; ``0`` without it).
-    """
-
-    per_fragment: tuple
-    peak: float
-    per_inner_step: float
-    full_sync: float
-    inner_group: float
 
 
 class Piece(NamedTuple):
@@ -427,31 +410,23 @@ def _init(cfg: _Config, params) -> StreamingDiLoCoState:
     )
 
 
-def _sync_bytes(leaves: Sequence[Any], num_replicas: int, compressor: Optional[Compressor]) -> float:
-    if compressor is None:
-        return exact_mean_bytes(sum(int(np.prod(np.shape(l))) for l in leaves), num_replicas)
-    return float(communication_plan(compressor, list(leaves), num_replicas=num_replicas).bytes_per_step)
-
-
-def streaming_diloco_bytes(params: Any, num_replicas: int, *, sync_every: int, fragments: int = 1,
-                           compressor: Optional[Compressor] = None,
-                           inner_replicas: int = 1,
-                           inner_compressor: Optional[Compressor] = None) -> StreamingDiLoCoBytes:
-    """Bytes per device on the wire of :func:`streaming_diloco` for ``params``, without
-    compiling: each fragment's sync is the exact fp32 mean of its ``n_f`` elements
-    (``2 (N-1)/N * 4 n_f``) or :func:`commjax.communication_plan` of the compressor on its
-    pieces (:func:`fragment_leaves` for ``N = num_replicas``); ``inner_replicas > 1`` adds
-    the gradient mean over the inner axis on every step (exact, ``2 (M-1)/M * 4 n``, or the
-    plan of ``inner_compressor``). ``fragments=1`` gives :func:`commjax.diloco`'s bytes.
-    The compiled HLO carries exactly these bytes (tests/test_streaming_diloco.py)."""
+def _plan(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1) -> CommunicationPlan:
+    """What :func:`streaming_diloco` sends per device (its :func:`commjax.communication_plan`):
+    each fragment's mean pseudo-gradient (exact fp32 of its pieces, or its exchange's plan)
+    once every ``sync_every`` steps, at its own step, and the gradient mean over the inner
+    axis every step. ``peak_bytes`` is the largest fragment's sync (with the group mean)."""
     leaves = jax.tree_util.tree_leaves(params)
-    per = tuple(_sync_bytes([jax.ShapeDtypeStruct(q.shape, jnp.result_type(leaves[q.leaf])) for q in idx],
-                            num_replicas, compressor)
-                for idx in fragment_leaves(params, fragments, compressor, num_replicas))
-    group = _sync_bytes(leaves, inner_replicas, inner_compressor) if inner_replicas > 1 else 0.0
-    return StreamingDiLoCoBytes(
-        per_fragment=per, peak=max(per) + group, per_inner_step=sum(per) / sync_every + group,
-        full_sync=_sync_bytes(leaves, num_replicas, compressor), inner_group=group)
+    transfers = group_transfers(cfg, params, inner_replicas)
+    for f, idx in enumerate(fragment_leaves(params, cfg.fragments, cfg.compressor, num_replicas)):
+        pieces = [jax.ShapeDtypeStruct(q.shape, jnp.float32) for q in idx]
+        if cfg.exchanges[f] is None:
+            sync = exact_mean_transfers(f"fragment {f}", pieces, num_replicas)
+        else:
+            sync = repeated(communication_plan(cfg.exchanges[f], pieces, num_replicas).transfers, 1,
+                            f"fragment {f}: ")
+        transfers += repeated(sync, cfg.sync_every)
+    return CommunicationPlan("streaming_diloco", num_replicas, tuple(transfers),
+                             float_baseline(leaves, num_replicas))
 
 
 def _check_options(sync_every, fragments, overlap, mix) -> tuple[int, int, int, float]:
@@ -543,15 +518,15 @@ def streaming_diloco(
     on every replica at that fragment's merge, and keeps the fragment's anchor, outer
     state and exchange residuals. The counter always advances.
 
-    Bytes per device (:func:`streaming_diloco_bytes`): on fragment ``f``'s send step the
+    Bytes per device (:func:`commjax.communication_plan`): on fragment ``f``'s send step the
     exact mean of its ``n_f <= ceil(n/P)`` elements, ``2 (N-1)/N * 4 n_f``, or the
     compressor's bytes for its pieces; 0 on other steps; a peak of ``1/P`` of a DiLoCo sync
     (exact; compressed up to the granule of ``block * N`` elements, and a NaN flag per
     piece where the codec's payloads cannot tell) and the same average per inner step as
     DiLoCo, ``sync / H``. ``inner_axis_name`` adds an exact all-reduce of the gradients
     over the fast axis every step, ``2 (M-1)/M * 4 n``, or with ``inner_compressor`` that
-    compressor's bytes for the gradients (:func:`streaming_diloco_bytes` with
-    ``inner_compressor``). Its residuals differ on every device, so lay
+    compressor's bytes for the gradients (the plan's ``inner-axis mean`` transfers).
+    Its residuals differ on every device, so lay
     ``state.inner_exchange`` out over both axes::
 
         s = tx.init(params)
@@ -614,6 +589,7 @@ def streaming_diloco(
                               inner_replicas=inner_replicas, seed=seed + p, factory=_NAME)
     cfg = _Config(inner, outer, h, p, tau, alpha, axis_name, inner_axis_name, exchanges, compressor, num_replicas,
                   inner_tx)
-    return optax.GradientTransformationExtraArgs(
+    return with_plan(optax.GradientTransformationExtraArgs(
         lambda params: _init(cfg, params),
-        lambda u, s, params=None, *, step=None, **extra: _update(cfg, u, s, params, step))
+        lambda u, s, params=None, *, step=None, **extra: _update(cfg, u, s, params, step)),
+        functools.partial(_plan, cfg))

@@ -33,7 +33,8 @@ elements, ``S_c`` the compressed leaves' shard sizes, ``S_e`` the exact ones')::
 (the ``+ 1`` is the shared non-finite flag; without codecs every leaf is in the exact
 terms). Exact fp32 ZeRO sends ``2 (N-1)/N * 4 n``, an fp32 all-reduce's bytes;
 ``cj.quantize(bits=4)`` on both sides about ``4.125 / 32`` of it.
-:func:`zero_wire_bytes` gives the count for a parameter tree, equal to the compiled HLO's.
+:func:`commjax.communication_plan` gives the count for a parameter tree, equal to the
+compiled HLO's.
 
 Two levels (``inner_axis_name``, a fast axis inside the slow ``axis_name``): the
 reduce-scatter runs first over the fast axis (``inner_grad_codec``, e.g. 8-bit), then over
@@ -47,6 +48,7 @@ Wang et al., "ZeRO++" (2023).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -56,13 +58,15 @@ import optax
 from jax import lax
 
 from commjax import _compat, collectives as cc, guards
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
+from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec
 from commjax.compressors.base import BlockCompressor, Compressor
 from commjax.fsdp import gather_exact, scatter_exact, shard_size
 from commjax.layout import per_replica
 from commjax.transform import AxisNotBoundError
 
-__all__ = ["ZeroState", "zero", "zero_wire_bytes"]
+__all__ = ["ZeroState", "zero"]
 
 COMPRESS, EXACT, PASS = "compress", "exact", "pass"
 
@@ -537,7 +541,7 @@ def zero(
     def update_fn(updates, state, params=None):
         return _update(cfg, inner, updates, state, params)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return with_plan(optax.GradientTransformation(init_fn, update_fn), functools.partial(_plan_bytes, cfg))
 
 
 def _check_axes(cfg: _Config) -> None:
@@ -557,35 +561,31 @@ def _check_axes(cfg: _Config) -> None:
                          "`inner_axis_name` or set grad_error_feedback=False.")
 
 
-def zero_wire_bytes(params: Any, num_replicas: int, *, grad_codec: Optional[Compressor] = None,
-                    weight_codec: Optional[Compressor] = None, inner_size: int = 1,
-                    inner_grad_codec: Optional[Compressor] = None,
-                    inner_weight_codec: Optional[Compressor] = None, min_compress_size: int = 1024,
-                    check_finite: bool = True) -> dict[str, float]:
-    """Analytic per-device ring bytes of one :func:`zero` step on parameters shaped like
-    ``params`` (arrays or ``jax.ShapeDtypeStruct``), ``num_replicas`` on ``axis_name`` and
-    ``inner_size`` on the inner axis: ``{"reduce_scatter", "all_gather", "total"}`` as the
-    compiled HLO sends them, and ``"first_step_check"``, the parameter fingerprint test
-    (in a conditional, run at the first step only, when ``check_replicated`` applies)."""
-    cfg = _Config("a", None if inner_size == 1 else "b",
-                  _check_codec(grad_codec, "grad_codec", False), _check_codec(weight_codec, "weight_codec", True),
-                  _check_codec(inner_grad_codec, "inner_grad_codec", False),
-                  _check_codec(inner_weight_codec, "inner_weight_codec", True),
-                  True, False, min_compress_size, check_finite, True, None, 0)
-    n = num_replicas * inner_size
+def _plan_bytes(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1) -> CommunicationPlan:
+    """What one :func:`zero` step sends per device (its :func:`commjax.communication_plan`),
+    ``num_replicas`` on ``axis_name`` and ``inner_replicas`` on ``inner_axis_name``: the
+    gradient reduce-scatter and the weight all-gather (exact shards and the flag joined,
+    coded ones apart, as the compiled step sends them) and, at the first step only, the
+    parameter fingerprint test (``check_replicated``)."""
+    if (inner_replicas > 1) != (cfg.inner_axis_name is not None):
+        raise ValueError("communication_plan: pass `inner_replicas` (the size of "
+                         "`inner_axis_name`) exactly when zero has an inner axis.")
+    n = num_replicas * inner_replicas
     plan = _plan(jax.tree_util.tree_leaves(params), n, cfg)
     vec = lambda k: jax.ShapeDtypeStruct((k,), jnp.float32)  # noqa: E731
-    out = {}
-    for op, codec, inner_codec, scale in (("reduce_scatter", cfg.grad_codec, cfg.inner_grad_codec, n),
-                                          ("all_gather", cfg.weight_codec, cfg.inner_weight_codec, 1)):
+    transfers = []
+    for what, op, codec, inner_codec, scale in (
+            ("gradient shards", "reduce_scatter", cfg.grad_codec, cfg.inner_grad_codec, n),
+            ("weight shards", "all_gather", cfg.weight_codec, cfg.inner_weight_codec, 1)):
         coded = [vec(scale * l.shard) for l in plan if l.route == COMPRESS and codec is not None]
         exact = sum(l.shard for l in plan if l.route != PASS) - sum(c.shape[0] for c in coded) // scale
-        exact += 1 if check_finite else 0
-        kw = dict(inner_size=inner_size)
-        total = cc.wire_bytes(op, [vec(scale * exact)] if exact else [], num_replicas, None, **kw)
+        exact += 1 if cfg.check_finite else 0
+        total = wire_bytes(op, [vec(scale * exact)] if exact else [], num_replicas, None, inner_size=inner_replicas)
         if coded:
-            total += cc.wire_bytes(op, coded, num_replicas, codec, inner_codec=inner_codec, **kw)
-        out[op] = total
-    out["total"] = out["reduce_scatter"] + out["all_gather"]
-    out["first_step_check"] = 2 * cc.wire_bytes("all_reduce", [jax.ShapeDtypeStruct((), jnp.uint32)], n)
-    return out
+            total += wire_bytes(op, coded, num_replicas, codec, inner_codec=inner_codec, inner_size=inner_replicas)
+        transfers.append(Transfer(what, op.replace("_", "-"), total))
+    if cfg.check_replicated:
+        check = 2 * ring_bytes("all-reduce", 4, n)
+        transfers.append(Transfer("parameter fingerprint (first step)", "all-reduce", check, 0))
+    floats = sum(l.size for l in plan if l.route != PASS)
+    return CommunicationPlan("zero", num_replicas, tuple(transfers), ring_bytes("all-reduce", 4 * floats, n))
