@@ -249,3 +249,35 @@ def test_hlo_bytes_equal_the_plan(mesh, steppers, name):
     # first-step fingerprint is a max and a min).
     for c in rep.of_kind("all-reduce"):
         assert c.hlo_name.startswith(("pmax", "pmin")) or all(d.startswith("f") for d in c.dtypes), c
+
+
+# --------------------------------------------------------------- collective ops in model code
+
+_Q8 = cj.quantize(8, stochastic=False)
+_RING = [(i, (i + 1) % N) for i in range(N)]
+OPS = {  # name: (op, plan options, the op inside shard_map on this replica's x)
+    "ppermute-q8": (cj.collectives.ppermute, dict(codec=_Q8),
+                    lambda x: cj.collectives.ppermute(x, AX, _RING, _Q8)),
+    "tp_reduce-q8": (cj.collectives.tp_reduce, dict(codec=_Q8),
+                     lambda x: cj.collectives.tp_reduce(x, AX, codec=_Q8)),
+    "tp_copy-q8": (cj.collectives.tp_copy, dict(codec=_Q8),  # its all-reduce is in the VJP
+                   lambda x: jax.grad(lambda a: jnp.sum(jnp.sin(cj.collectives.tp_copy(a, AX, grad_codec=_Q8))))(x)),
+    "fsdp_gather-q8-q4": (cj.fsdp_gather, dict(codec=_Q8, grad_codec=cj.quantize(4, stochastic=False)),
+                          lambda x: jax.grad(lambda a: jnp.sum(jnp.sin(cj.fsdp_gather(
+                              a, AX, _Q8, grad_codec=cj.quantize(4, stochastic=False)))))(x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_hlo_bytes_equal_the_plan(mesh, name):
+    """A collective op of model code sends what ``cj.communication_plan(op, x, N, ...)``
+    says (the VJP's collective too, where the op is differentiated)."""
+    op, options, run = OPS[name]
+    x = np.random.default_rng(0).normal(size=(N * 512, 64)).astype(np.float32)
+    fn = jax.jit(_compat.shard_map(lambda a: run(a), mesh=mesh, in_specs=P(AX), out_specs=P(AX),
+                                   check_vma=False))
+    rep = cj.collective_bytes(fn, x)
+    like = jax.ShapeDtypeStruct((N * 512, 64) if op is cj.fsdp_gather else (512, 64), jnp.float32)
+    plan = cj.communication_plan(op, like, N, **options)
+    assert rep.total_ring_bytes == pytest.approx(plan.compiled_bytes, abs=0.5), f"{rep.table()}\n{plan}"
+

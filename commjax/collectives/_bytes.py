@@ -14,8 +14,10 @@ from commjax.compressors.base import Compressor, Segment
 from commjax.collectives._common import _flag_bytes, _is_exact, _items
 from commjax.collectives._reducers import choose_reducer
 from commjax.collectives.gather import all_gather
+from commjax.collectives.permute import permute_bytes, ppermute
 from commjax.collectives.reduce import all_reduce
 from commjax.collectives.scatter import reduce_scatter
+from commjax.collectives.tensor_parallel import tp_copy, tp_reduce, tp_reducer
 
 
 # ---------------------------------------------------------------------- wire bytes
@@ -107,6 +109,34 @@ def _op_planner(op: str):
     return planner
 
 
+def _floats(x: Any) -> int:
+    return sum(math.prod(jnp.shape(l)) for l in jax.tree_util.tree_leaves(x)
+               if jnp.issubdtype(jnp.result_type(l), jnp.inexact))
+
+
+def _ppermute_plan(x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
+                   delta: Optional[str] = None, carry_ids: bool = True) -> CommunicationPlan:
+    """:func:`~commjax.collectives.ppermute`: one send per device (its steady state in
+    ``"sample"`` delta mode)."""
+    sent = permute_bytes(x, num_replicas, codec, delta=delta, carry_ids=carry_ids)
+    return CommunicationPlan("ppermute", num_replicas, (Transfer("payload", "collective-permute", sent),),
+                             ring_bytes("all-reduce", 4 * _floats(x), num_replicas))
+
+
+def _tp_plan(name: str, direction: str):
+    """Megatron's ``f`` (``tp_copy``: the all-reduce in the backward pass) or ``g``
+    (``tp_reduce``: in the forward pass); ``codec`` is that all-reduce's (``tp_copy``'s
+    ``grad_codec``)."""
+    def planner(x: Any, num_replicas: int, codec: Optional[Compressor] = None) -> CommunicationPlan:
+        sent = wire_bytes("all_reduce", x, num_replicas, codec, reducer=tp_reducer(codec))
+        return CommunicationPlan(name, num_replicas, (Transfer(direction, "all-reduce", sent),),
+                                 ring_bytes("all-reduce", 4 * _floats(x), num_replicas))
+    return planner
+
+
 with_plan(all_gather, _op_planner("all_gather"))
 with_plan(reduce_scatter, _op_planner("reduce_scatter"))
 with_plan(all_reduce, _op_planner("all_reduce"))
+with_plan(ppermute, _ppermute_plan)
+with_plan(tp_copy, _tp_plan("tp_copy", "cotangent (backward)"))
+with_plan(tp_reduce, _tp_plan("tp_reduce", "partial sums (forward)"))

@@ -105,8 +105,9 @@ def tp_copy(x: Any, axis_name: Any, *, grad_codec: Optional[Compressor] = None,
     """Megatron's ``f``: ``x`` (the same on every replica of ``axis_name``) as it is; the
     backward pass sums the replicas' cotangents, encoded with ``grad_codec``.
 
-    Bytes per device: forward 0; backward ``cc.wire_bytes("all_reduce", x, T,
-    grad_codec, reducer=tp_reducer(grad_codec))`` (``2 (T-1)/T * 4 * size`` exact).
+    Bytes per device: forward 0; backward the all-reduce of
+    ``cj.communication_plan(cc.tp_copy, x, T, codec=grad_codec)`` (``2 (T-1)/T * 4 * size``
+    exact).
 
     Args:
       x: pytree of arrays, replicated over ``axis_name``.
@@ -124,8 +125,7 @@ def tp_reduce(x: Any, axis_name: Any, *, codec: Optional[Compressor] = None,
     sent encoded with ``codec`` (reduce-scatter + all-gather); the backward pass is the
     identity (the cotangent of a replicated sum is every replica's).
 
-    Bytes per device: ``cc.wire_bytes("all_reduce", x, T, codec,
-    reducer=tp_reducer(codec))``; backward 0.
+    Bytes per device: ``cj.communication_plan(cc.tp_reduce, x, T, codec=codec)``; backward 0.
 
     Args:
       x: pytree of arrays, this replica's partial sums.

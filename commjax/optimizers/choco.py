@@ -29,6 +29,7 @@ replicas agree only approximately: :func:`consensus_distance` measures how far a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -38,12 +39,12 @@ import optax
 from jax import lax
 
 from commjax import _compat, guards, validation
-from commjax.accounting import ring_bytes
+from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives.permute import _coders, _leaf_key, check_permute_codec
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 
-__all__ = ["ChocoState", "choco", "choco_bytes", "consensus_distance", "neighbour_perms", "TOPOLOGIES"]
+__all__ = ["ChocoState", "choco", "consensus_distance", "neighbour_perms", "TOPOLOGIES"]
 
 TOPOLOGIES = ("ring", "torus")
 
@@ -234,20 +235,24 @@ def choco(inner: optax.GradientTransformation, axis_name: Any = "data", *,
     validation.check_seed("seed", seed, factory=factory)
     axis_name = validation.check_axis_name("axis_name", axis_name, factory=factory, allow_none=False)
     cfg = _Config(inner, axis_name, codec, topology, float(gamma), bool(check_finite), int(seed))
-    return optax.GradientTransformation(lambda params: _init(cfg, params),
-                                        lambda g, s, params=None: _update(cfg, g, s, params))
+    return with_plan(optax.GradientTransformation(lambda params: _init(cfg, params),
+                                                  lambda g, s, params=None: _update(cfg, g, s, params)),
+                     functools.partial(_plan, cfg))
 
 
-def choco_bytes(params: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
-                topology: str = "ring", check_finite: bool = True) -> float:
-    """Per-device bytes of one :func:`choco` step (== the compiled HLO's)."""
+def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
+    """What one :func:`choco` step sends per device (its :func:`commjax.communication_plan`,
+    == the compiled HLO's): the encoded difference to every neighbour, and the NaN flags."""
     leaves = [l for l in jax.tree_util.tree_leaves(params) if _floating(l)]
-    k = len(neighbour_perms(num_replicas, topology))
-    coders = _coders(leaves, codec)
+    k = len(neighbour_perms(num_replicas, cfg.topology))
+    coders = _coders(leaves, cfg.codec)
     sent = sum(4.0 * math.prod(jnp.shape(l)) for i, l in enumerate(leaves) if i not in coders)
     sent += 4.0 * sum(c.words for c in coders.values())
-    flags = ring_bytes("all-reduce", 4 * len(leaves), num_replicas) if check_finite and leaves else 0.0
-    return k * sent + flags
+    transfers = [Transfer(f"gossip to {k} neighbours", "collective-permute", k * sent)]
+    if cfg.check_finite and leaves:
+        transfers.append(Transfer("NaN flags", "all-reduce", ring_bytes("all-reduce", 4 * len(leaves), num_replicas)))
+    n = sum(math.prod(jnp.shape(l)) for l in leaves)
+    return CommunicationPlan("choco", num_replicas, tuple(transfers), ring_bytes("all-reduce", 4 * n, num_replicas))
 
 
 def consensus_distance(params: Any, axis_name: Any) -> jax.Array:
