@@ -81,6 +81,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import netns  # noqa: E402
+from _results import write_results  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 AXIS = "data"
@@ -887,8 +888,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         "failures": failures,
     }
     out_json = Path(args.out)
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    write_results(out_json, result, sort_keys=True)
+    result = json.loads(out_json.read_text())  # with its provenance (the plot's title reads it)
     try:
         plot(rows, rates, out_json.with_suffix(".png"), _title(result), goodput)
     except ImportError:

@@ -15,12 +15,12 @@ Writes ``convergence.json`` and ``convergence.png`` (loss curves).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 from _devices import simulate_cpu_devices  # noqa: E402
+from _results import write_results  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -150,11 +150,9 @@ def main(argv=None):
         print(f"{name:30s} loss {res.final_loss:.4f} {g:>9s}  {hlo_bytes:>10,.0f} B/step "
               f"({exact / hlo_bytes:6.1f}x)  identical={res.replicas_identical}  {dt:5.1f}s", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    meta = {"steps": args.steps, "task": "noniid_classification(8)", "date": time.strftime("%Y-%m-%d"),
-            "jax": jax.__version__, "devices": "8 simulated CPU devices",
-            "command": "python benchmarks/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "curves": curves}, f, indent=1)
+    meta = {"steps": args.steps, "task": "noniid_classification(8)", "devices": "8 simulated CPU devices"}
+    write_results(os.path.join(args.out, f"{args.name}.json"), {"meta": meta, "rows": rows, "curves": curves},
+                  command="python benchmarks/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -172,7 +170,6 @@ def main(argv=None):
         fig.savefig(os.path.join(args.out, f"{args.name}.png"), dpi=110)
     except ImportError:
         print("matplotlib not installed: no PNG written", file=sys.stderr)
-    print(f"wrote {os.path.join(args.out, args.name + '.json')}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _results import write_results  # noqa: E402
 
 from commjax import kernels, packing  # noqa: E402
 
@@ -247,10 +248,7 @@ def main() -> int:
     result.update(info=info)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"kernels_{'check_' if args.check else ''}{backend}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", out)
+    write_results(out, result)
     return 0 if result.get("all_identical", True) else 1
 
 

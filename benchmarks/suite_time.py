@@ -2,19 +2,18 @@
 per commit, so that two states of the suite can be compared on the same machine.
 
 Each commit is cloned from this repository into a new temporary folder, checked out, and
-run as CI runs it; the script records the total wall time, the time each pytest session
+run as CI runs it; the script records the total wall time, the time each pytest run
 reports ("N passed ... in S s") and the exit status. Nothing else should run meanwhile: on
 2 cores a second job changes the times by tens of percent.
 
     python benchmarks/suite_time.py [COMMIT ...]        # default: HEAD
 
-Appends one entry per commit to ``benchmarks/results/suite_time.json``.
+Writes one entry per commit given to ``benchmarks/results/suite_time.json`` (overwritten).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from _results import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "suite_time.json"
-_SESSION = re.compile(r"^=*\s*(?P<summary>\d+ passed[^\n]*?) in (?P<seconds>[\d.]+)s", re.M)
+_PYTEST_RUN = re.compile(r"^=*\s*(?P<summary>\d+ passed[^\n]*?) in (?P<seconds>[\d.]+)s", re.M)
 
 
 def _git(*args: str, cwd: Path = ROOT) -> str:
@@ -46,10 +45,10 @@ def run_ci(commit: str) -> dict[str, Any]:
         proc = subprocess.run(["bash", ".ci/run"], cwd=clone, capture_output=True, text=True)
         wall = time.monotonic() - t0
     log = proc.stdout + proc.stderr
-    sessions = [{"summary": m["summary"], "seconds": float(m["seconds"])} for m in _SESSION.finditer(log)]
+    runs = [{"summary": m["summary"], "seconds": float(m["seconds"])} for m in _PYTEST_RUN.finditer(log)]
     return {"commit": sha[:12], "subject": _git("log", "-1", "--format=%s", sha)[:100],
-            "returncode": proc.returncode, "wall_s": round(wall, 1), "pytest_sessions": sessions,
-            "pytest_s": round(sum(s["seconds"] for s in sessions), 1),
+            "returncode": proc.returncode, "wall_s": round(wall, 1), "pytest_runs": runs,
+            "pytest_s": round(sum(s["seconds"] for s in runs), 1),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "log_tail": log[-1500:] if proc.returncode else ""}
 
@@ -63,11 +62,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         row = run_ci(commit)
         rows.append(row)
         print(f"{row['commit']}  rc={row['returncode']}  wall {row['wall_s']:.0f} s  "
-              f"pytest {row['pytest_s']:.0f} s  {[s['summary'] for s in row['pytest_sessions']]}", flush=True)
+              f"pytest {row['pytest_s']:.0f} s  {[s['summary'] for s in row['pytest_runs']]}", flush=True)
     for row in rows:
         row["command"] = "python benchmarks/suite_time.py " + " ".join(args.commits)
-    earlier = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else []
-    write_results(RESULTS, {"what": __doc__.split("\n\n")[0], "runs": earlier + rows})
+    write_results(RESULTS, {"what": __doc__.split("\n\n")[0], "runs": rows})
     return 0 if all(r["returncode"] == 0 for r in rows) else 1
 
 

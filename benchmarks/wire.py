@@ -11,15 +11,13 @@ mean measured the same way in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
 from _devices import simulate_cpu_devices  # noqa: E402
+from _results import write_results  # noqa: E402
 
 simulate_cpu_devices(8)
 
-import jax  # noqa: E402
 
 import commjax as cj  # noqa: E402
 from commjax.testing import mlp_4m_params, update_collectives  # noqa: E402
@@ -80,11 +78,8 @@ def main(argv=None):
                       flush=True)
     print("* = picked by reducer='auto'")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "wire.json")
-    with open(path, "w") as f:
-        json.dump({"meta": {"model": "4 x 1024x1024 + biases (4.2M params)", "date": time.strftime("%Y-%m-%d"),
-                            "jax": jax.__version__}, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    write_results(os.path.join(args.out, "wire.json"),
+                  {"meta": {"model": "4 x 1024x1024 + biases (4.2M params)"}, "rows": rows})
 
 
 if __name__ == "__main__":
