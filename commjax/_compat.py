@@ -54,11 +54,24 @@ def shard_map(
     in_specs: Any,
     out_specs: Any,
     check_vma: bool = True,
+    axis_names: Optional[Any] = None,
 ) -> Callable[..., Any]:
-    """``jax.shard_map`` with the replication-check flag spelled for this JAX."""
-    return _SHARD_MAP(
-        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_KW: check_vma}
-    )
+    """``jax.shard_map`` with the replication-check flag spelled for this JAX.
+
+    ``axis_names``: the mesh axes the function is manual over (the others are left to
+    the compiler, as ``jax.jit`` with ``NamedSharding`` places them); ``None``: all."""
+    kwargs = {_CHECK_KW: check_vma}
+    if axis_names is not None and set(axis_names) != set(mesh.axis_names):
+        kwargs["axis_names"] = frozenset(axis_names)
+    return _SHARD_MAP(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+
+
+def abstract_mesh(mesh: jax.sharding.Mesh) -> Any:
+    """The mesh as code traced inside a ``shard_map`` sees it (some axes manual): what a
+    nested ``shard_map`` over the remaining axes must be given."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    current = get() if get is not None else None
+    return mesh if current is None or not getattr(current, "axis_names", ()) else current
 
 
 def make_mesh(

@@ -157,6 +157,44 @@ def _balanced(text: str, start: int, open_: str, close: str) -> int:
     return len(text)
 
 
+def _mesh_groups(text: str, key: str) -> list[list[int]]:
+    """Groups of the mesh form ``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}``: the
+    devices laid out as the named mesh, one group along the named axes for every position
+    of the others (the form XLA writes for shard_map manual over some axes only)."""
+    m = re.match(r"mesh\[([^\]]*)\],\s*device_ids=\(\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\)\s*"
+                 r"\{([^}]*)\}", text)
+    if m is None:
+        raise AccountingError(f"cannot parse {key} at {text[:80]!r}")
+    axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))]
+    dims = [int(v) for v in m.group(2).split(",") if v.strip()]
+    ids = list(range(math.prod(dims)))
+    if m.group(3):  # iota over dims, transposed
+        perm = [int(v) for v in m.group(3).split(",") if v.strip()]
+        strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
+        shape = [dims[p] for p in perm]
+        ids = []
+        for flat in range(math.prod(shape)):
+            idx, rem = [], flat
+            for size in reversed(shape):
+                idx.append(rem % size)
+                rem //= size
+            idx.reverse()
+            ids.append(sum(i * strides[p] for i, p in zip(idx, perm)))
+    sizes = [size for _, size in axes]
+    inside = {name.strip().strip("'") for name in m.group(4).split(",") if name.strip()}
+    grouped = [k for k, (name, _) in enumerate(axes) if name in inside]
+    groups: dict = {}
+    for flat, device in enumerate(ids):
+        coord, rem = [], flat
+        for size in reversed(sizes):
+            coord.append(rem % size)
+            rem //= size
+        coord.reverse()
+        outer = tuple(c for k, c in enumerate(coord) if k not in grouped)
+        groups.setdefault(outer, []).append(device)
+    return list(groups.values())
+
+
 def _parse_groups_attr(attrs: str, key: str) -> list[list[int]] | tuple[int, int] | None:
     """Parse ``key={{0,1},{2,3}}`` (explicit) or ``key=[G,S]<=[...]...`` (iota).
 
@@ -167,6 +205,8 @@ def _parse_groups_attr(attrs: str, key: str) -> list[list[int]] | tuple[int, int
     if m is None:
         return None
     j = m.end()
+    if attrs.startswith("mesh[", j):
+        return _mesh_groups(attrs[j:], key)
     if j < len(attrs) and attrs[j] == "[":
         iota = re.match(r"\[\s*([\d,\s]+)\]\s*<=", attrs[j:])
         if iota is None:

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from commjax._hlo import _mesh_groups
+
 __all__ = ["collective_axes", "bytes_by_axis"]
 
 _GROUP_KEYS = ("replica_groups", "source_target_pairs")
@@ -33,12 +35,15 @@ def _instruction_line(text: str, name: str) -> Optional[str]:
 
 def _groups(line: str, num_devices: int) -> list[list[int]]:
     """The device groups an instruction names: explicit ``{{0,1},{2,3}}`` lists, iota
-    ``[G,S]<=[dims]T(perm)`` tiles, or source-target pairs (each pair a group)."""
+    ``[G,S]<=[dims]T(perm)`` tiles, the mesh form (:func:`commjax._hlo._mesh_groups`), or
+    source-target pairs (each pair a group)."""
     for key in _GROUP_KEYS:
         m = re.search(r"\b" + key + r"\s*=\s*", line)
         if m is None:
             continue
         rest = line[m.end():]
+        if rest.startswith("mesh["):  # shard_map manual over some axes only
+            return _mesh_groups(rest, key)
         iota = re.match(r"\[([\d,\s]+)\]\s*<=\s*\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?", rest)
         if iota:
             shape = [int(v) for v in iota.group(1).split(",") if v.strip()]

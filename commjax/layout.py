@@ -34,7 +34,7 @@ Under ``pmap`` every leaf gets a leading device axis instead (:func:`pmap_state`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -136,17 +136,27 @@ def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
         first = _first_axis(spec)
         if first is None:
             return False
-        # Sharded over another axis (a pmap device axis, say): not a layout of ours.
-        return True if axis_name is None or first == axis_name else marked
+        if axis_name is None or first == axis_name or _axis_names(axis_name) <= _axis_names(first):
+            return True  # over the axis (with a model axis: tiled over both)
+        return marked  # sharded over another axis (a pmap device axis, say): not ours
 
     return _map_marked(one, state)
 
 
 def state_specs(state: Any, axis_name: Any) -> Any:
     """``PartitionSpec``s for ``state``: ``P(axis_name)`` per replica, ``P()`` replicated
-    (see :func:`per_replica_mask` for how that is decided)."""
+    (see :func:`per_replica_mask` for how that is decided); a leaf placed over other mesh
+    axes too (a model-parallel state, :func:`init_sharded`) keeps its placement's spec."""
     mask = per_replica_mask(state, axis_name)
-    return jax.tree_util.tree_map(lambda m: P(axis_name) if m else P(), mask)
+    names = _axis_names(axis_name)
+
+    def one(leaf: Any, m: bool) -> P:
+        spec = _placed_spec(leaf)
+        if spec is not None and _spec_axes(spec) - names:
+            return spec
+        return P(axis_name) if m else P()
+
+    return jax.tree_util.tree_map(one, state, mask)
 
 
 def specs_from_mask(mask: Any, axis_name: Any) -> Any:
@@ -252,7 +262,8 @@ def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
 
 
 def _axis_names(axis_name: Any) -> frozenset:
-    return frozenset(axis_name) if isinstance(axis_name, (tuple, list)) else frozenset({axis_name})
+    many = isinstance(axis_name, (tuple, list, set, frozenset))
+    return frozenset(axis_name) if many else frozenset({axis_name})
 
 
 def _local_abstract(tree: Any) -> Any:
@@ -284,24 +295,75 @@ def carry_layout(step: Callable[..., Any], carry: Any, args: tuple, args_axes: t
     raise AssertionError("carry_layout: no fixed point")  # pragma: no cover - monotone
 
 
-def _tx_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh,
-               per_replica_params: bool) -> tuple[Any, list, list]:
+class _ParamLayout(NamedTuple):
+    """How the parameters lie inside the ``shard_map``: per leaf its path, its spec over
+    the manual axes other than the data axes (``P()`` if none), its local (shard) shape
+    and the axes it is split over."""
+
+    paths: list
+    specs: Any  # a pytree of PartitionSpecs like the parameters
+    local: Any  # abstract local values
+    axes: list  # frozenset per leaf
+
+
+def _spec_axes(spec: P) -> frozenset:
+    out: set = set()
+    for entry in spec:
+        out |= set(entry) if isinstance(entry, (tuple, list)) else ({entry} if entry else set())
+    return frozenset(out)
+
+
+def _param_layout(params: Any, mesh: jax.sharding.Mesh, names: frozenset,
+                  manual: frozenset) -> _ParamLayout:
+    """Parameters placed with a ``NamedSharding`` over other manual axes (a model axis)
+    are split there: each device traces its shard. Placements over axes left to the
+    compiler, and unplaced parameters, are whole."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths, specs, local, axes = [], [], [], []
+    for path, leaf in flat:
+        spec = _placed_spec(leaf)
+        kept = P() if spec is None else P(*[
+            e if (set(e) if isinstance(e, (tuple, list)) else {e}) <= manual else None
+            for e in spec])
+        split = _spec_axes(kept)
+        if split & names:
+            raise ValueError(
+                f"init_sharded: parameter {jax.tree_util.keystr(path)} is split over "
+                f"{sorted(split & names)}, the axes its gradient is averaged over; shard "
+                "parameters over the data axis with cj.zero or cj.fsdp_gather instead.")
+        shape = tuple(jnp.shape(leaf))
+        if split:
+            shape = NamedSharding(mesh, kept).shard_shape(shape)
+        paths.append(jax.tree_util.keystr(path))
+        specs.append(kept)
+        local.append(jax.ShapeDtypeStruct(shape, jnp.result_type(leaf)))
+        axes.append(split)
+    return _ParamLayout(paths, jax.tree_util.tree_unflatten(treedef, specs),
+                        jax.tree_util.tree_unflatten(treedef, local), axes)
+
+
+def _tx_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh, per_replica_params: bool,
+               pl: _ParamLayout, manual: frozenset) -> tuple[Any, list, list]:
     """``(local abstract state, state leaf axes, update leaf axes)`` of ``tx`` traced on
-    gradients that vary over every mesh axis."""
-    params = _local_abstract(params)
-    every = frozenset(mesh.axis_names)
-    p_axes = every if per_replica_params else frozenset()
+    gradients that vary over every manual mesh axis, except the model axes (those some
+    parameter is split over) for the parameters that are whole there: the gradient of a
+    parameter replicated over a model axis is the same on all of its devices."""
+    treedef = jax.tree_util.tree_structure(params)
+    split = jax.tree_util.tree_unflatten(treedef, pl.axes)
+    model = frozenset().union(*pl.axes)
+    g_axes = jax.tree_util.tree_unflatten(treedef, [(manual - model) | a for a in pl.axes])
+    p_axes = jax.tree_util.tree_unflatten(treedef, [manual if per_replica_params else a for a in pl.axes])
     # init runs once, on the common starting parameters: replicated even when the
     # replicas go on to hold their own.
-    init_axes = trace_varying(tx.init, (params,), (frozenset(),), mesh)
-    state = jax.eval_shape(_compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
-                                             check_vma=False), params)
+    init_axes = trace_varying(tx.init, (pl.local,), (split,), mesh)
+    state = jax.eval_shape(_compat.shard_map(tx.init, mesh=mesh, in_specs=(pl.specs,), out_specs=P(),
+                                             check_vma=False), _local_abstract(params))
 
     def update(s, g, p):
         u, s = tx.update(g, s, p)
         return s, u
 
-    axes, upd = carry_layout(update, state, (params, params), (every, p_axes), mesh, init_axes)
+    axes, upd = carry_layout(update, state, (pl.local, pl.local), (g_axes, p_axes), mesh, init_axes)
     return state, axes, upd
 
 
@@ -319,64 +381,131 @@ def _check_trace_args(where: str, tx: Any, mesh: Any, axis_name: Any) -> None:
 
 
 def infer_per_replica(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
-                      per_replica_params: bool = False) -> Any:
+                      per_replica_params: bool = False, manual_axes: Any = None) -> Any:
     """Which leaves of ``tx``'s state are per replica, found by tracing (never running)
     ``tx.init`` and ``tx.update`` inside ``shard_map`` over ``mesh``.
 
-    The gradients vary over every mesh axis (each replica differentiates its own batch);
-    the parameters are replicated unless ``per_replica_params`` (DiLoCo-style replicas
-    that hold their own parameters). A state leaf is per replica when, at the fixed point
-    of ``state -> update(grads, state)``, it varies over ``axis_name``
-    (:func:`carry_layout`, :mod:`commjax.varying`).
+    The gradients vary over every manual mesh axis (``manual_axes``, default all: each
+    replica differentiates its own batch); the parameters are replicated unless
+    ``per_replica_params`` (DiLoCo-style replicas that hold their own parameters), or
+    split where they are placed with a ``NamedSharding`` over another manual axis (a
+    tensor-parallel model axis: each device then traces its shard). A state leaf is per
+    replica when, at the fixed point of ``state -> update(grads, state)``, it varies over
+    ``axis_name`` (:func:`carry_layout`, :mod:`commjax.varying`).
 
     Returns a pytree of bools shaped like ``tx.init(params)`` (as initialised inside
     ``shard_map``, so sized for this mesh).
 
     Raises:
-      ValueError: a state leaf varies over a mesh axis outside ``axis_name`` (it cannot be
-        laid out ``P(axis_name)``), naming the leaf.
+      ValueError: a state leaf varies over a mesh axis outside ``axis_name`` and the
+        parameters' axes (it cannot be laid out ``P(axis_name)``), naming the leaf.
     """
-    return trace_update(tx, params, mesh, axis_name, per_replica_params=per_replica_params)[0]
+    return trace_update(tx, params, mesh, axis_name, per_replica_params=per_replica_params,
+                        manual_axes=manual_axes)[0]
 
 
-def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
-                 per_replica_params: bool = False) -> tuple[Any, bool]:
-    """``(per-replica mask of the state, whether the updates vary over axis_name)`` from
-    one trace of ``tx`` (:func:`infer_per_replica`). Updates that vary with replicated
-    parameters mean ``tx`` averages nothing: the replicas would drift apart."""
+class _Trace(NamedTuple):
+    state: Any  # local abstract state
+    axes: list  # per state leaf: the axes it varies over
+    paths: list
+    declared: list  # per state leaf: declared per replica by its state class
+    varies: bool  # the updates vary over axis_name
+    params: _ParamLayout
+
+
+def _manual(mesh: jax.sharding.Mesh, manual_axes: Any) -> frozenset:
+    if manual_axes is None:
+        return frozenset(mesh.axis_names)
+    manual = _axis_names(manual_axes)
+    missing = sorted(manual - set(mesh.axis_names))
+    if missing:
+        raise ValueError(f"trace_update: `manual_axes` names axes {missing} that the mesh does not "
+                         f"have (its axes: {tuple(mesh.axis_names)}).")
+    return manual
+
+
+def _trace(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any,
+           per_replica_params: bool, manual_axes: Any) -> _Trace:
     _check_trace_args("trace_update", tx, mesh, axis_name)
-    state, axes, upd = _tx_layout(tx, params, mesh, per_replica_params)
-    names = _axis_names(axis_name)
+    names, manual = _axis_names(axis_name), _manual(mesh, manual_axes)
+    pl = _param_layout(params, mesh, names, manual)
+    state, axes, upd = _tx_layout(tx, params, mesh, per_replica_params, pl, manual)
+    model = frozenset().union(*pl.axes)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     shapes = [l.shape for l in jax.tree_util.tree_leaves(state)]
     for path, a, shape in zip(paths, axes, shapes):
-        if a & names and not shape:
+        if a & (names | model) and not shape:
             raise ValueError(
                 f"infer_per_replica: state leaf {path} is a scalar that differs between "
-                f"replicas over {axis_name!r} (it is computed from this replica's own "
-                "gradient), so replicas would disagree on it, and a scalar cannot be laid "
-                "out per replica. This is usually a decision taken on each replica before "
-                "the exchange: put optax.apply_if_finite (or any wrapper that tests the "
-                "gradient) *after* cj.compressed_mean in the chain, not around it.")
-        if (a - names) and not (a & names):
+                f"replicas over {sorted(a & (names | model))} (it is computed from this "
+                "replica's own gradient), so replicas would disagree on it, and a scalar "
+                "cannot be laid out per replica. This is usually a decision taken on each "
+                "replica before the exchange: put optax.apply_if_finite (or any wrapper that "
+                "tests the gradient) *after* cj.compressed_mean in the chain, not around it.")
+        if (a - names - model) and not (a & names):
             raise ValueError(
                 f"infer_per_replica: state leaf {path} varies over mesh axes "
-                f"{sorted(a - names)} but not over `axis_name` {axis_name!r}, so it cannot be "
-                f"laid out P({axis_name!r}). Pass every axis the gradients are averaged over "
-                "as `axis_name` (a tuple), or average over the others inside the transform.")
+                f"{sorted(a - names - model)} but not over `axis_name` {axis_name!r}, so it "
+                f"cannot be laid out P({axis_name!r}). Pass every axis the gradients are "
+                "averaged over as `axis_name` (a tuple), average over the others inside the "
+                "transform, or leave those axes to the compiler (`manual_axes`).")
     # A transform may also *declare* fields per replica (commjax's own metrics, which it
     # types as varying under check_vma=True so that every branch of a cond agrees): a cast
     # that check_vma=False tracing does not record, so the declaration joins the result.
     declared = jax.tree_util.tree_leaves(_map_marked(lambda leaf, m: m, state))
-    sizes = [int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(state)]
+    return _Trace(state, axes, paths, declared, any(a & names for a in upd), pl)
+
+
+def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
+                 per_replica_params: bool = False, manual_axes: Any = None) -> tuple[Any, bool]:
+    """``(per-replica mask of the state, whether the updates vary over axis_name)`` from
+    one trace of ``tx`` (:func:`infer_per_replica`). Updates that vary with replicated
+    parameters mean ``tx`` averages nothing: the replicas would drift apart."""
+    t = _trace(tx, params, mesh, axis_name, per_replica_params, manual_axes)
+    names = _axis_names(axis_name)
+    sizes = [int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(t.state)]
     # Empty leaves hold nothing per replica; jit hands them back replicated.
-    mask = [bool(a & names or d) and size > 0 for a, d, size in zip(axes, declared, sizes)]
-    tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), mask)
-    return tree, any(a & names for a in upd)
+    mask = [bool(a & names or d) and size > 0 for a, d, size in zip(t.axes, t.declared, sizes)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(t.state), mask), t.varies
+
+
+def _leaf_spec(t: _Trace, k: int, per: bool, axis_name: Any, mesh: jax.sharding.Mesh) -> P:
+    """Where state leaf ``k`` lies: ``P(axis_name)`` / ``P()`` as on a data-only mesh; a
+    leaf that also varies over the parameters' (model) axes takes the spec of the
+    parameter it mirrors (same path ending, shape and axes: Adam's moments), else is
+    tiled along its first dimension over every axis it varies over."""
+    model = t.axes[k] & frozenset().union(*t.params.axes)
+    if not model:
+        return P(axis_name) if per else P()
+    shape = tuple(jax.tree_util.tree_leaves(t.state)[k].shape)
+    if not per:
+        specs = jax.tree_util.tree_leaves(t.params.specs, is_leaf=lambda x: isinstance(x, P))
+        for path, spec, local, axes in zip(t.params.paths, specs,
+                                           jax.tree_util.tree_leaves(t.params.local), t.params.axes):
+            if t.paths[k].endswith(path) and shape == tuple(local.shape) and axes == model:
+                return spec
+    tiled = model | (_axis_names(axis_name) if per else frozenset())
+    ordered = tuple(n for n in mesh.axis_names if n in tiled)
+    return P(ordered if len(ordered) > 1 else ordered[0])
+
+
+def state_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
+                 per_replica_params: bool = False, manual_axes: Any = None) -> tuple[Any, Any]:
+    """``(state specs, parameter specs)`` for a ``shard_map`` manual over ``manual_axes``
+    (default: all): per-replica leaves ``P(axis_name)``, replicated ones ``P()``, and on a
+    mesh whose parameters are split over a model axis (placed with a ``NamedSharding``),
+    the model-split leaves as :func:`_leaf_spec` says. The parameter specs are the
+    ``in_specs`` of the parameters (``P()`` where they are whole)."""
+    t = _trace(tx, params, mesh, axis_name, per_replica_params, manual_axes)
+    names = _axis_names(axis_name)
+    sizes = [int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(t.state)]
+    specs = [_leaf_spec(t, k, bool(a & names or d) and size > 0, axis_name, mesh)
+             for k, (a, d, size) in enumerate(zip(t.axes, t.declared, sizes))]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(t.state), specs), t.params.specs
 
 
 def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
-                 per_replica_params: bool = False, mask: Any = None) -> Any:
+                 per_replica_params: bool = False, mask: Any = None, manual_axes: Any = None) -> Any:
     """``tx.init(params)`` run inside ``shard_map`` over ``axis_name`` and laid out for it:
     per-replica leaves (found by tracing, :func:`infer_per_replica`) as global
     ``[N * a, ...]`` arrays sharded ``P(axis_name)``, the rest replicated ``P()``.
@@ -385,9 +514,21 @@ def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, 
     replicas (the two-phase reducer's server residual) is sized for this mesh without a
     ``num_replicas`` argument. ``params`` are one replica's (local) parameters. ``mask``:
     a per-replica mask already traced (:func:`trace_update`), to skip tracing again.
+
+    Model-parallel meshes: parameters placed with a ``NamedSharding`` over another axis
+    (``P(None, "model")``) are initialised shard by shard, and the state follows them
+    (:func:`state_layout`): for a ``shard_map`` manual over every axis. With
+    ``manual_axes=axis_name`` the other axes are left to the compiler (``jax.jit`` with
+    ``NamedSharding``, as :func:`commjax.data_parallel` runs) and the state is laid out
+    as on a data-only mesh.
     """
-    if mask is None:
-        mask = infer_per_replica(tx, params, mesh, axis_name, per_replica_params=per_replica_params)
-    specs = specs_from_mask(mask, axis_name)
-    fn = _compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs, check_vma=False)
+    manual = _manual(mesh, manual_axes)
+    pl = _param_layout(params, mesh, _axis_names(axis_name), manual)
+    if any(pl.axes) or mask is None:
+        specs, pspecs = state_layout(tx, params, mesh, axis_name, per_replica_params=per_replica_params,
+                                     manual_axes=manual_axes)
+    else:
+        specs, pspecs = specs_from_mask(mask, axis_name), pl.specs
+    fn = _compat.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=specs, check_vma=False,
+                           axis_names=manual)
     return jax.jit(fn)(params)

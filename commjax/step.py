@@ -89,6 +89,11 @@ class DataParallel:
         self.has_aux, self.with_rng = has_aux, with_rng
         self.per_replica_params, self.donate, self.check_vma = per_replica_params, donate, check_vma
         self.num_replicas = int(np.prod([mesh.shape[a] for a in _names(axis_name)]))
+        # Manual over the data axes only: other mesh axes (a model axis the parameters are
+        # split over with NamedSharding) are left to the compiler, as under jax.jit.
+        self._manual = _names(axis_name)
+        self._model_axes = frozenset(mesh.axis_names) - self._manual
+        self._shard_specs: Any = None  # (param, state) specs per model shard on a split model
         self._wrt = wrt
         self._nnx: Optional[_Nnx] = None
         self._specs: Any = None
@@ -112,14 +117,22 @@ class DataParallel:
             params, opt_state, body = self._init_tree(params)
         key = jax.random.key_data(jax.random.key(seed))
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, key)
-        self._specs = TrainState(P(), self._param_specs(params), layout.state_specs(opt_state, self.axis_name), P())
-        self._build(body)
-        return jax.tree_util.tree_map(self._place_replicated, state,
-                                      is_leaf=lambda x: isinstance(x, jax.Array) and _is_placed(x))
+        opt_specs = layout.state_specs(opt_state, self.axis_name)
+        if self._shard_specs is not None:  # split model: the data part of each spec
+            opt_specs = jax.tree_util.tree_map(lambda sp: _only(sp, self._manual), opt_specs,
+                                               is_leaf=lambda x: isinstance(x, P))
+        self._specs = TrainState(P(), self._param_specs(params), opt_specs, P())
+        state = jax.tree_util.tree_map(self._place_replicated, state,
+                                       is_leaf=lambda x: isinstance(x, jax.Array) and _is_placed(x))
+        # On a mesh with model axes, every array keeps its layout from step to step.
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, state) if self._model_axes else None
+        self._build(body, shardings)
+        return state
 
     def _init_tree(self, params: Any):
         mask, varies = layout.trace_update(self.tx, params, self.mesh, self.axis_name,
-                                           per_replica_params=self.per_replica_params)
+                                           per_replica_params=self.per_replica_params,
+                                           manual_axes=self._manual)
         if varies and not self.per_replica_params:
             raise ValueError(
                 f"data_parallel: `tx`'s updates differ between replicas over {self.axis_name!r} "
@@ -127,13 +140,43 @@ class DataParallel:
                 f"cj.compressed_mean(compressor, axis_name={self.axis_name!r}) first in the "
                 "optax.chain, or pass per_replica_params=True for optimizers whose replicas "
                 "hold their own parameters (cj.diloco).")
+        if self._model_axes and _split(params, self._model_axes):
+            if self.per_replica_params:
+                raise ValueError("data_parallel: per_replica_params=True with parameters split over "
+                                 f"{sorted(self._model_axes)} is not supported; place them P().")
+            return params, self._init_split(params), self._tree_body
         opt_state = layout.init_sharded(self.tx, params, self.mesh, self.axis_name,
-                                        per_replica_params=self.per_replica_params, mask=mask)
+                                        per_replica_params=self.per_replica_params, mask=mask,
+                                        manual_axes=self._manual)
         if self.per_replica_params:
             params = jax.tree_util.tree_map(
                 lambda p: layout.place(np.asarray(p)[None], True, self.mesh, self.axis_name,
                                        self.num_replicas), params)
         return params, opt_state, self._tree_body
+
+    def _init_split(self, params: Any) -> Any:
+        """Parameters split over model axes: the optimizer runs on each device's shard (a
+        ``shard_map`` manual over the model axes inside the step), so every device
+        compresses only its shard and the exchange adds no model-axis traffic. The state
+        is laid out shard by shard (:func:`commjax.layout.state_layout`)."""
+        specs, pspecs = layout.state_layout(self.tx, params, self.mesh, self.axis_name)
+        self._shard_specs = (pspecs, jax.tree_util.tree_map(
+            lambda sp: _only(sp, self._model_axes), specs, is_leaf=lambda x: isinstance(x, P)))
+        return layout.init_sharded(self.tx, params, self.mesh, self.axis_name)
+
+    def _update(self, grads, opt_state, params):
+        """``tx.update``; on a split model, in a ``shard_map`` manual over the model axes
+        (nested in the step's, over the mesh as the step sees it). Its replication check is
+        off: a transform that joins every leaf in one collective (ZeRO's gather) types a
+        whole parameter's update as varying with the split ones, although every device of
+        the model axis computes it from the same values."""
+        if self._shard_specs is None:
+            return self.tx.update(grads, opt_state, params)
+        pspecs, specs = self._shard_specs
+        fn = _compat.shard_map(self.tx.update, mesh=_compat.abstract_mesh(self.mesh),
+                               in_specs=(pspecs, specs, pspecs), out_specs=(pspecs, specs),
+                               check_vma=False, axis_names=self._model_axes)
+        return fn(grads, opt_state, params)
 
     def _init_nnx(self, model: Any, optimizer: Any):
         if nnx is None:
@@ -155,7 +198,8 @@ class DataParallel:
         # The optax state's layout, traced on its own (pure, NamedTuple) structure.
         params = nnx.as_pure(nnx.state(model, optimizer.wrt))
         pure = nnx.as_pure(optimizer.opt_state)
-        mask, varies = layout.trace_update(optimizer.tx, params, self.mesh, self.axis_name)
+        mask, varies = layout.trace_update(optimizer.tx, params, self.mesh, self.axis_name,
+                                           manual_axes=self._manual)
         if varies:
             raise ValueError(
                 f"data_parallel: the optimizer's updates differ between replicas over "
@@ -165,7 +209,8 @@ class DataParallel:
         # Initialised again inside shard_map, so that state sized by the replica count (the
         # two-phase server residual) fits this mesh, and carried over to the nnx.State by
         # path: nnx.split has turned optax's NamedTuples into dicts.
-        fresh = layout.init_sharded(optimizer.tx, params, self.mesh, self.axis_name, mask=mask)
+        fresh = layout.init_sharded(optimizer.tx, params, self.mesh, self.axis_name, mask=mask,
+                                    manual_axes=self._manual)
         by_path = dict(zip(_paths(pure), jax.tree_util.tree_leaves(fresh)))
         place = lambda leaf: layout.place(  # noqa: E731
             leaf, False, self.mesh, self.axis_name, self.num_replicas)
@@ -207,7 +252,7 @@ class DataParallel:
         if self.per_replica_params:
             params = jax.tree_util.tree_map(lambda a: a[0], params)
         loss, aux, grads = self._loss_and_grad(params, batch, key)
-        updates, opt_state = self.tx.update(grads, state.opt_state, params)
+        updates, opt_state = self._update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         if self.per_replica_params:
             params = jax.tree_util.tree_map(lambda a: a[None], params)
@@ -228,7 +273,7 @@ class DataParallel:
         model_state, opt_state = self._nnx_update(state.params, state.opt_state, grads)
         return model_state, opt_state, loss, aux
 
-    def _build(self, body: Callable[..., Any]) -> None:
+    def _build(self, body: Callable[..., Any], shardings: Any = None) -> None:
         axis = self.axis_name
 
         def local(state: TrainState, batch):
@@ -240,11 +285,16 @@ class DataParallel:
             return new, per_replica
 
         mapped = _compat.shard_map(local, mesh=self.mesh, in_specs=(self._specs, P(axis)),
-                                   out_specs=(self._specs, P(axis)), check_vma=self.check_vma)
+                                   out_specs=(self._specs, P(axis)), check_vma=self.check_vma,
+                                   axis_names=self._manual)
         #: The step before ``jax.jit``: ``(state, placed batch) -> (state, (loss, aux))``, to
         #: call inside a larger jitted function of the user's.
         self.sharded_step = mapped
-        self._step = jax.jit(mapped, donate_argnums=(0,) if self.donate else ())
+        kw = {}
+        if shardings is not None:
+            split = NamedSharding(self.mesh, P(axis))
+            kw = dict(in_shardings=(shardings, split), out_shardings=(shardings, split))
+        self._step = jax.jit(mapped, donate_argnums=(0,) if self.donate else (), **kw)
 
     def place_batch(self, batch: Any) -> Any:
         """The batch as global arrays split over the replicas along axis 0. On one process
@@ -293,11 +343,15 @@ class DataParallel:
         return nnx.merge(self._nnx.model_def, state.params)
 
     def replicas_identical(self, state: TrainState) -> bool:
-        """Whether every device holds bit-identical parameters (each device's own copy)."""
+        """Whether every device holds bit-identical parameters (each device's own copy; on
+        a model-parallel mesh, every copy of the same shard)."""
         for leaf in jax.tree_util.tree_leaves(state.params):
-            shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-            if not all(np.array_equal(shards[0], s, equal_nan=True) for s in shards[1:]):
-                return False
+            by_index: dict = {}
+            for s in leaf.addressable_shards:
+                by_index.setdefault(str(s.index), []).append(np.asarray(s.data))
+            for shards in by_index.values():
+                if not all(np.array_equal(shards[0], s, equal_nan=True) for s in shards[1:]):
+                    return False
         return True
 
 
@@ -310,6 +364,26 @@ def _paths(tree: Any) -> list[tuple[str, ...]]:
         names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
         out.append(tuple(names[:-1] if names and names[-1] == "value" else names))
     return out
+
+
+def _split(params: Any, axes: frozenset) -> bool:
+    """Whether some parameter is placed split over one of ``axes``."""
+    for leaf in jax.tree_util.tree_leaves(params):
+        if _is_placed(leaf) and _only(leaf.sharding.spec, axes) != P():
+            return True
+    return False
+
+
+def _only(spec: P, axes: frozenset) -> P:
+    """``spec`` with only the mesh axes in ``axes`` (``P(("data", "model"))`` -> ``P("model")``
+    for the model axes); ``P()`` when none is left."""
+    entries = []
+    for e in spec:
+        kept = tuple(a for a in (e if isinstance(e, (tuple, list)) else (e,)) if a in axes)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _names(axis_name: Any) -> frozenset:

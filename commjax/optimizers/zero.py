@@ -310,10 +310,17 @@ def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, st
                 first: jax.Array, bad: jax.Array):
     """Stage 2: ``inner`` on this replica's shards; returns ``(new_master, new_inner)``
     (both kept as they were when ``bad``)."""
-    vary = lambda t: _compat.vary(t, cfg.axes)  # noqa: E731  cond branches must agree on types
     master = [jnp.where(first, p, m) for p, m in zip(p_shards, state.master)]
     master_tree = jax.tree_util.tree_unflatten(treedef, master)
     old_inner = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
+
+    def vary(t):  # cond branches must agree on types: each leaf varying over the data axes,
+        # and over a model axis where the state already does (shards split over it).
+        def one(x, old):
+            extra = sorted((_compat.varying_axes(old) or frozenset()) - set(cfg.axes))
+            return _compat.vary(x, tuple(cfg.axes) + tuple(extra))
+        return jax.tree_util.tree_map(one, t, old_inner)
+
     # At the first step the inner state starts from the real master shard (optimizers
     # whose state copies the parameters), not from init()'s placeholder zeros.
     inner_state = lax.cond(first, lambda _: vary(inner.init(master_tree)), lambda s: vary(s), old_inner)
