@@ -4,13 +4,36 @@
 * every page of ``mkdocs.yml`` exists and every relative link between pages resolves;
 * the custom compressor of ``docs/custom_compressor.md``, run as written, passes
   ``cj.testing.check_compressor``; a codec whose ``payload_words`` lies fails it;
-* ``commjax.bench.run`` reports the HLO bytes of the plan for each method.
+* ``commjax.bench.run`` reports the HLO bytes of the plan for each method;
+* every measured number that README.md and docs/ quote is the number in the current result
+  file (``benchmarks/results/``), and each table names the command, commit and date of
+  that file.
+
+A table that quotes results is preceded by an HTML comment (invisible once rendered)
+naming its source file, how a row is found and what each column holds::
+
+    <!-- table: wire.json
+    row: rows[compressor={key},replicas=8,auto=true]
+    keys: identity; quantize 4
+    cols: -; bytes_per_step_hlo:,.0f; ratio:.1f
+    -->
+
+``row`` selects the record of each row from the file (``rows[f=v,...]``: the element of the
+list ``rows`` whose fields match, ``{key}`` standing for the row's key; without ``row``,
+the column paths start at the file's top level and use ``{key}`` themselves). ``keys``
+lists the rows' keys in order (``-`` skips a row); without it a row's key is the first
+code span of its first cell. ``cols`` gives per column a dotted path into the record, an
+optional ``*k`` or ``/k`` scale and a format; the cell's first number must read exactly
+``format(value, spec)``, or hold no number where the file holds ``null`` (``-`` skips a
+column). The same page holds a line naming
+``results/<file>``, the file's ``command`` (in backticks), ``commit <hash>`` and its date.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 from pathlib import Path
 from typing import ClassVar
@@ -26,6 +49,9 @@ from commjax.testing import check_compressor
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+RESULTS = ROOT / "benchmarks" / "results"
+_TABLE = re.compile(r"<!--\s*table:\s*(?P<spec>.*?)-->[ \t]*\n(?P<table>(?:\|[^\n]*\n?)+)", re.S)
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
 
 def test_every_public_name_has_a_docstring_and_a_reference_entry():
@@ -124,3 +150,105 @@ def test_mkdocs_builds_strict(tmp_path):
 
     build(load_config(str(ROOT / "mkdocs.yml"), strict=True, site_dir=str(tmp_path / "site")))
     assert (tmp_path / "site" / "reference" / "index.html").exists()
+
+
+# ------------------------------------------------------------------ quoted results
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
+
+
+def _spec(text: str) -> dict:
+    """``file`` and the ``row``/``keys``/``cols`` fields of a table comment."""
+    head, *lines = [ln.strip() for ln in text.strip().splitlines()]
+    out = {"file": head, "row": None, "keys": None, "cols": []}
+    for ln in lines:
+        name, _, value = ln.partition(":")
+        parts = [v.strip() for v in value.split(";")]
+        out[name.strip()] = value.strip() if name.strip() == "row" else parts
+    return out
+
+
+def _select(record, path: str, key: str):
+    """Follow a dotted ``path`` (``rows[f=v,...]`` picks a list element by its fields)."""
+    for seg in re.split(r"\.(?![^\[]*\])", path):
+        seg = seg.replace("{key}", key)
+        m = re.fullmatch(r"(\w*)\[(.*)\]", seg)
+        if m is None:
+            record = record[seg] if isinstance(record, dict) else record[int(seg)]
+            continue
+        items = record[m[1]] if m[1] else record
+        want = dict(c.strip().split("=", 1) for c in re.split(r",(?=\s*\w+=)", m[2]))
+        found = [r for r in items if all(str(r.get(f)).lower() == v.lower() for f, v in want.items())]
+        assert len(found) == 1, f"{seg!r} matches {len(found)} records"
+        record = found[0]
+    return record
+
+
+def _expected(record, col: str, key: str):
+    """The cell's number as ``format`` writes it; ``None`` where the file holds none (the
+    cell then shows no number)."""
+    path, _, fmt = col.partition(":")
+    scale = re.fullmatch(r"(.*?)([*/])([\d.e+-]+)", path)
+    value = _select(record, scale[1] if scale else path, key)
+    if value is None:
+        return None
+    if scale:
+        value = value * float(scale[3]) if scale[2] == "*" else value / float(scale[3])
+    return format(value, fmt)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _tables():
+    for page in _pages():
+        for m in _TABLE.finditer(page.read_text()):
+            yield page, _spec(m["spec"]), [_cells(ln) for ln in m["table"].splitlines()[2:] if ln.strip()]
+
+
+def test_every_quoted_result_is_the_current_one():
+    checked = 0
+    for page, spec, rows in _tables():
+        data = json.loads((RESULTS / spec["file"]).read_text())
+        keys = spec["keys"] or [(re.findall(r"`([^`]+)`", r[0]) or ["-"])[0] for r in rows]
+        assert len(keys) == len(rows), f"{page.name} {spec['file']}: {len(keys)} keys, {len(rows)} rows"
+        for key, cells in zip(keys, rows):
+            if key == "-":
+                continue
+            record = data if spec["row"] is None else _select(data, spec["row"], key)
+            for col, cell in zip(spec["cols"], cells):
+                if col == "-":
+                    continue
+                got = _NUMBER.findall(cell.replace("\u2212", "-"))
+                want = _expected(record, col, key)
+                assert (got[:1] or [None])[0] == want, f"{page.name} {spec['file']} row {key!r}: {cell!r} != {want}"
+                checked += 1
+    assert checked > 100
+
+
+def test_every_quoted_result_file_names_its_provenance():
+    for page, spec, _ in _tables():
+        data = json.loads((RESULTS / spec["file"]).read_text())
+        text = page.read_text()
+        lines = [ln for ln in text.splitlines() if f"results/{spec['file']}" in ln and f"`{data['command']}`" in ln
+                 and f"commit {data['commit']}" in ln and data["date"][:10] in ln]
+        assert lines, f"{page.name}: no line with results/{spec['file']}, its command, commit and date"
+
+
+def test_results_index_lists_every_file():
+    index = (RESULTS / "README.md").read_text()
+    for f in sorted(RESULTS.glob("*.json")):
+        assert f"`{f.name}`" in index, f"benchmarks/results/README.md does not list {f.name}"
+        data = json.loads(f.read_text())
+        assert {"command", "commit", "date", "machine"} <= set(data), f"{f.name} lacks its provenance"
+
+
+def test_no_words_of_the_development_process():
+    pattern = re.compile(r"\b(session|rerun|redesign)", re.I)
+    for path in _pages() + sorted(RESULTS.glob("*")):
+        if path.suffix in (".md", ".json"):
+            assert not pattern.search(path.read_text()), f"{path.name}: {pattern.search(path.read_text())[0]!r}"
+
