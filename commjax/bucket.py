@@ -5,8 +5,7 @@ leaves, and turns the bucket back into leaves afterwards. The obvious
 ``jnp.concatenate([jnp.ravel(g) for g in leaves])`` is correct but, on XLA:CPU, is compiled
 to a loop that works out, for every element, which part and which index it comes from,
 several times slower than joining ``[rows, W]`` blocks along axis 0, where each row comes
-whole from one part and the same bytes land in the same places (commit efae91c has the
-timings).
+whole from one part and the same bytes land in the same places.
 
 :func:`row_width` picks ``W``: the largest power of two up to :data:`MAX_ROW_WIDTH` that
 divides every part's length (then every offset is a whole number of rows too). When the

@@ -3,8 +3,8 @@
 Stochastic rounding needs one uniform number per gradient element and step, and nothing
 of it but a continuous-enough distribution that is independent across positions, steps
 and replicas. ``jax.random.uniform`` (Threefry) spends 20 rounds of a block cipher on
-each, which on CPU cost more than the model's forward and backward passes (commit
-76631b0 has the timings); this hash costs a few integer operations. Here::
+each, which on CPU costs more than a model's forward and backward passes; this hash
+costs a few integer operations. Here::
 
     seed = mix(salt, key words)
     h    = fmix32(fmix32(i * 0x9E3779B9 + seed) ^ (seed >> 7))     # i = flat position

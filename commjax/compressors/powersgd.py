@@ -251,7 +251,7 @@ def transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
     """``M^T P`` (``[n, r]``) for ``M`` ``[m, n]`` and a thin ``P`` ``[m, r]``.
 
     XLA:CPU runs this dot, which contracts the large matrix over its leading axis, several
-    times slower than one streaming pass over ``M`` (timed in commit 8bbb4d0). On CPU, for
+    times slower than one streaming pass over ``M``. On CPU, for
     ``r <= 8``, it is therefore a broadcast multiply and a sum over rows; elsewhere, and for
     larger ``r``, the dot.
     """
@@ -273,7 +273,7 @@ def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
 
     ``M_hat`` is written once and read by both of its consumers (the mean and the
     error-feedback residual). A sum of ``r`` broadcast products fused into each consumer
-    would compute the product twice, and was no faster on CPU (commit 8bbb4d0).
+    would compute the product twice, and is no faster on CPU.
     """
     return jnp.matmul(p, q.T, precision=_HIGHEST)
 
