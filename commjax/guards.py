@@ -24,6 +24,7 @@ __all__ = [
     "all_finite",
     "all_finite_elementwise",
     "keep_if",
+    "l2_norm",
     "check_not_in_replica_conditional",
 ]
 
@@ -106,6 +107,32 @@ def all_finite_elementwise(x: jax.Array) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.ones((), bool)
     return jnp.all(jnp.isfinite(x))
+
+
+def l2_norm(arrays: Sequence[jax.Array]) -> jax.Array:
+    """``sqrt(sum_k ||a_k||^2)`` over real arrays, in fp32, finite whenever the norm is.
+
+    One sum of squares, read where the arrays are; only if it overflowed (a value past
+    ``1.8e19``) a conditional recomputes it as ``m sqrt(sum (a / m)^2)`` with ``m`` the
+    power of two just above ``max |a|``: inf only where the norm itself exceeds fp32. The arrays are operands of that conditional, so use it on values
+    that are in memory anyway (state, residuals), not on fused intermediates.
+    """
+    arrays = [jnp.ravel(a).astype(jnp.float32) for a in arrays]
+    if not arrays:
+        return jnp.zeros((), jnp.float32)
+    squares = sum(jnp.sum(jnp.square(a)) for a in arrays)
+
+    def scaled(parts):
+        # m = 2**e just above max |a|, applied as two normal powers of two: 1 / m itself is
+        # subnormal (flushed to zero) for m > 2**126.
+        # Products, not quotients: XLA folds (a / lo) / hi into a / (lo hi), and lo hi = 2**128
+        # is inf.
+        _, e = jnp.frexp(jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in parts])))
+        lo, hi = (e // 2).astype(jnp.float32), (e - e // 2).astype(jnp.float32)
+        total = sum(jnp.sum(jnp.square(a * jnp.exp2(-lo) * jnp.exp2(-hi))) for a in parts)
+        return jnp.sqrt(total) * jnp.exp2(lo) * jnp.exp2(hi)
+
+    return lax.cond(jnp.isinf(squares), scaled, lambda _: jnp.sqrt(squares), arrays)
 
 
 def keep_if(bad: jax.Array, old: Any, new: Any) -> Any:

@@ -419,8 +419,7 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
 
 
 def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics) -> dict:
-    norm = jnp.sqrt(sum((jnp.sum(jnp.square(e.astype(jnp.float32))) for e in residual),
-                        jnp.zeros((), jnp.float32)))
+    norm = guards.l2_norm(residual)
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)

@@ -15,6 +15,7 @@ from commjax import _compat, bucket as flat_bucket
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import BlockCompressor, Compressor, Segment
 from commjax.compressors.sparse import TopK
+from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _encode_rows_feedback, _fallback_cond, _flag_bytes, _overflow_anywhere, _round_up,
     decode_rows, decode_sum, encode_rows,
@@ -121,7 +122,9 @@ class AllReduce(Reducer):
         n = y.shape[0]
         payload = codec.encode_linear(y, key)
         local = codec.decode_linear(payload, n)
-        total = codec.decode_linear(_compat.psum(payload, axis_name), n) / num_replicas
+        # Summed pre-scaled (prescale): a mean fp32 can hold survives an overflowing sum.
+        total = unscale_mean(codec.decode_linear(
+            _compat.psum(prescale(payload, num_replicas), axis_name), n), num_replicas)
         outs = flat_bucket.cut(local if residuals is None else y - local, segments)
         return PartsResult(flat_bucket.cut(total, segments), outs, _empty(server_residual))
 

@@ -14,6 +14,7 @@ from jax import lax
 
 from commjax import _compat
 from commjax.compressors.base import Compressor
+from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _fallback_cond, _is_exact, _items, _names, _overflow_anywhere, _vary_out, decode_rows,
     decode_sum, encode_rows, replica_key,
@@ -114,9 +115,12 @@ def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
     n = _compat.axis_size(axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
+
     def exact(v):
-        out = lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True)
-        return out if divide == 1 else (out / divide).astype(out.dtype)
+        if divide == 1:
+            return lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True)
+        out = lax.psum_scatter(_vary_out(prescale(v, divide), axis_name), axis_name, tiled=True)
+        return unscale_mean(out, divide)
 
     if _is_exact(codec):
         out = [exact(l) for l in leaves]

@@ -15,6 +15,7 @@ from commjax.compressors.base import Compressor, Segment
 from commjax.collectives._common import (
     _is_exact, _items, _names, _replicated_cotangent, _vary_out, check_codec, replica_key,
 )
+from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._reducers import check_reducer, choose_reducer, reduce_parts
 
 
@@ -98,8 +99,10 @@ def _reduce_impl(cfg: _ReduceConfig, tree, key, residual=None, server_residual=N
     if cfg.mean and any(not jnp.issubdtype(jnp.result_type(leaves[i]), jnp.inexact) for i in exact_idx):
         raise ValueError("all_reduce: mean=True needs floating (or complex) leaves; sum integer "
                          "leaves with mean=False.")
-    for i, v in zip(exact_idx, _compat.psum([leaves[i] for i in exact_idx], axes)):
-        out[i] = (v / (n * inner)).astype(v.dtype) if cfg.mean else v
+    total_n = n * inner
+    sums = _compat.psum([prescale(leaves[i], total_n) if cfg.mean else leaves[i] for i in exact_idx], axes)
+    for i, v in zip(exact_idx, sums):
+        out[i] = unscale_mean(v, total_n) if cfg.mean else v
     if not items:
         return jax.tree_util.tree_unflatten(treedef, out), residual, server_residual
     if cfg.inner_axis_name is not None:

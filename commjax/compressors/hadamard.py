@@ -9,14 +9,19 @@ more of the signal (SDP4Bit rotates 32-wide chunks before its 4-bit gradient exc
 For ``H_k`` the Sylvester-Hadamard matrix of order ``k`` (a power of two) and
 ``R = H_k / sqrt(k)`` (orthogonal and symmetric, so ``R^-1 = R^T = R``)::
 
-    encode(x) = C.encode(R x)              # chunk by chunk: x[j k:(j+1) k] @ R
-    decode(w) = R C.decode(w)              # the inverse rotation after decoding
-    decode_sum(ws) = R sum_r C.decode(ws[r])   # linearity: one rotation per sum
+    encode(x) = C.encode(R x / sqrt(k))             # chunk by chunk: H x / k
+    decode(w) = sqrt(k) R C.decode(w)               # the inverse rotation after decoding
+    decode_sum(ws) = sqrt(k) R sum_r C.decode(ws[r])   # linearity: one rotation per sum
+
+The codec sees ``R x / sqrt(k) = H x / k``, whose values are at most ``max |x|``: the
+rotation of any finite block is finite (``R x`` itself can reach ``sqrt(k) max |x|``,
+past fp32's range for ``|x| > 6e37`` at ``k = 32``). Block codecs scale each block by its
+absmax (or mean), so the factor changes no code.
 
 Bytes are those of the wrapped codec ``C`` exactly (the rotation changes values, not
-layout). ``R`` preserves the l2 norm, so ``||x - decode(encode(x))|| = ||R x - C(R x)||``:
-the error of the wrapped codec on the rotated vector. In fp32 the rotation round-trips to
-within a few ulps (``R R = I`` up to rounding; the products are taken at full precision).
+layout). ``R`` preserves the l2 norm, so ``||x - decode(encode(x))|| = sqrt(k) ||y - C(y)||``
+for ``y = H x / k``: the error of the wrapped codec on the rotated vector. In fp32 the
+rotation round-trips to within a few ulps (``H H = k I``; every product is exact).
 """
 
 from __future__ import annotations
@@ -51,10 +56,31 @@ def rotate(x: jax.Array, size: int) -> jax.Array:
 
     One ``[n / size, size] @ [size, size]`` product at full fp32 precision (TPUs and GPUs
     would otherwise use bf16/tf32 passes and lose the exact inverse)."""
-    shape = x.shape
+    return _chunk_product(x, hadamard_matrix(size), size)
+
+
+def _chunk_product(x: jax.Array, m: np.ndarray, size: int) -> jax.Array:
     rows = x.reshape(-1, size).astype(jnp.float32)
-    out = jnp.dot(rows, jnp.asarray(hadamard_matrix(size)), precision=lax.Precision.HIGHEST)
-    return out.reshape(shape)
+    return jnp.dot(rows, jnp.asarray(m), precision=lax.Precision.HIGHEST).reshape(x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _signs(size: int) -> np.ndarray:
+    """``H_size``, the Sylvester matrix of +-1 (float32, exact)."""
+    return np.round(hadamard_matrix(size).astype(np.float64) * math.sqrt(size)).astype(np.float32)
+
+
+def _spread(x: jax.Array, size: int) -> jax.Array:
+    """``H x / size`` per chunk (``= R x / sqrt(size)``): every value at most ``max |x|``, so
+    the rotation of a finite block never overflows (``R x`` can reach ``sqrt(size) max |x|``).
+    The entries of ``H / size`` are powers of two: each product is exact."""
+    return _chunk_product(x, _signs(size) / np.float32(size), size)
+
+
+def _unspread(y: jax.Array, size: int) -> jax.Array:
+    """The inverse of :func:`_spread`: ``H (y / size) * size`` (``H H = size I``), scaled so
+    that no partial sum overflows; both scalings are exact powers of two."""
+    return _chunk_product(y * np.float32(1.0 / size), _signs(size), size) * np.float32(size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +127,13 @@ class Hadamard(BlockCompressor):
 
     def encode_blocks(self, blocks: jax.Array, key: Optional[jax.Array], start: int = 0) -> jax.Array:
         nb = blocks.shape[0]
-        inner = rotate(blocks, self.size).reshape(-1, self.codec.block)
+        inner = _spread(blocks, self.size).reshape(-1, self.codec.block)
         return self.codec.encode_blocks(inner, key, start).reshape(nb, self.row_words)
 
     def decode_blocks(self, rows: jax.Array) -> jax.Array:
         nb = rows.shape[0]
         inner = self.codec.decode_blocks(rows.reshape(-1, self.codec.row_words))
-        return rotate(inner.reshape(nb, self.block), self.size)
+        return _unspread(inner.reshape(nb, self.block), self.size)
 
     def payload_finite(self, words: jax.Array) -> Optional[jax.Array]:
         """The wrapped codec's check (its rows lie back to back in each row here)."""
@@ -117,13 +143,13 @@ class Hadamard(BlockCompressor):
         """``R sum_r C.decode(payloads[r])``: the wrapped codec's (fused) sum in replica
         order, then one inverse rotation. Every replica that holds the same payloads
         computes the same bits."""
-        return rotate(self.codec.decode_sum(payloads, n, divide=divide), self.size)
+        return _unspread(self.codec.decode_sum(payloads, n, divide=divide), self.size)
 
     def encode_linear(self, x: jax.Array, key: Optional[jax.Array]) -> jax.Array:
-        return self.codec.encode_linear(rotate(x, self.size), key)
+        return self.codec.encode_linear(_spread(x, self.size), key)
 
     def decode_linear(self, summed: jax.Array, n: int) -> jax.Array:
-        return rotate(self.codec.decode_linear(summed, n), self.size)
+        return _unspread(self.codec.decode_linear(summed, n), self.size)
 
     def linear_payload_bytes(self, n: int) -> int:
         return self.codec.linear_payload_bytes(n)

@@ -32,10 +32,12 @@ from commjax import kernels as _kernels
 from commjax import noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
 from commjax.validation import check_bool
-from commjax.kernels.reference import row_absmax, safe_recip
+from commjax.kernels.reference import TINY, row_absmax, row_prescale, safe_recip
 from commjax.packing import packed_words
 
 __all__ = ["Quantize", "QSGD", "TernGrad", "quantize", "qsgd", "terngrad"]
+
+_FMAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool, start: int = 0) -> Optional[jax.Array]:
@@ -212,8 +214,13 @@ class QSGD(_ScaledCodec):
         f = jnp.where(amax > 2.0 ** 64, 2.0 ** -64, 1.0)[:, None]
         unit = (blocks * f) / (jnp.where(amax > 0, amax, 1.0)[:, None] * f)
         norm = amax * jnp.sqrt(jnp.sum(jnp.square(unit), axis=1))
-        # A norm past the fp32 range cannot travel: NaN, so the block is flagged, not zeroed.
-        norm = jnp.where(jnp.isinf(norm), jnp.nan, norm)
+        # A norm past the fp32 range is clamped to its largest value (still finite; the
+        # estimate is then biased toward zero), and a tiny one floored at L * 2**-126 so
+        # that L / norm stays finite and the step norm / L normal (see row_constants).
+        # An Inf in the block (amax not finite) makes the norm NaN: flagged, as for quantize.
+        norm = jnp.where(jnp.isinf(norm), jnp.where(jnp.isfinite(amax), _FMAX, jnp.nan), norm)
+        floor = self.num_levels * TINY
+        norm = jnp.where((norm > 0) & (norm < floor), floor, norm)
         c = safe_recip(norm, float(self.num_levels))[:, None]
         lv = jnp.clip(_round_levels(jnp.abs(blocks), c, key, True, start), 0, self.num_levels) * jnp.sign(blocks)
         return self._pack(lv, norm)
@@ -246,11 +253,16 @@ class TernGrad(_ScaledCodec):
             u = _uniforms(key, blocks.shape, True, start)
             return _kernels.quantize_blocks(blocks, bits=2, levels=1, uniforms=u, output=None,
                                             impl=self.kernels)[0]
-        sigma = jnp.std(blocks, axis=1, keepdims=True)
+        # The std of huge rows from 2**-64-scaled values: their squares would overflow.
+        f = jnp.where(jnp.max(jnp.abs(blocks), axis=1, keepdims=True) > 2.0 ** 64, 2.0 ** -64, 1.0)
+        sigma = jnp.std(blocks * f, axis=1, keepdims=True) / f
         bound = self.clip_sigma * sigma
         blocks = jnp.clip(blocks, -bound, bound)
         scale = row_absmax(blocks)  # NaN where the block holds one (a float max may drop it)
-        lv = jnp.clip(_round_levels(blocks, safe_recip(scale)[:, None], key, True, start), -1, 1)
+        scale = jnp.where((scale > 0) & (scale < TINY), TINY, scale)
+        pre = row_prescale(scale, 1)[:, None]  # 1 / s is subnormal past 2**126
+        c = safe_recip(scale * pre[:, 0])[:, None]
+        lv = jnp.clip(_round_levels(_kernels.fence(blocks * pre, c), c, key, True, start), -1, 1)
         return self._pack(lv, scale)
 
     def encode_feedback(self, x, residual, key, *, start=0):

@@ -156,7 +156,8 @@ def quantize_blocks(
     impl = resolve_impl(impl, "quantize_blocks")
     opts = dict(bits=bits, levels=levels, output=output)
     reference = functools.partial(quantize_reference, **opts)
-    if x.shape[1] % 32 or x.shape[0] == 0:
+    # Levels below 4 can need a per-row pre-scale (row_prescale) the kernels do not take.
+    if x.shape[1] % 32 or x.shape[0] == 0 or levels < 4:
         return reference(x, uniforms, residual)
     kernel = functools.partial(_pallas, tile=tile, **opts)
     gpu = mosaic_gpu.quantize_kernel(x, uniforms, residual, **opts)

@@ -37,6 +37,8 @@ __all__ = [
     "safe_recip",
     "feedback_sum",
     "row_constants",
+    "row_prescale",
+    "TINY",
     "quantize_reference",
     "row_absmax",
     "row_scales",
@@ -91,21 +93,50 @@ def row_absmax(y: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.max(part, axis=1), jnp.float32)
 
 
-def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: int):
-    """Per-row ``(s, L / s, s / L)`` of ``y = x + e`` (``L / s`` is 0 where ``s = 0``).
+#: The smallest normal fp32, ``2**-126``: products below it are flushed to zero by XLA on
+#: CPU, by TPUs and by GPU code compiled with flush-to-zero.
+TINY = 2.0 ** -126
+#: The per-row pre-scale of :func:`row_prescale` for huge rows, ``2**-64``.
+HUGE_PRESCALE = 2.0 ** -64
 
-    ``max |y|`` is exact in any order; the two quotients are XLA's. Kernels take them as
-    inputs (one extra read of ``x`` and ``e``) rather than dividing themselves.
+
+def row_prescale(scale: jax.Array, levels: float) -> Optional[jax.Array]:
+    """``float32[nb]`` factors ``p`` with ``q = (y p) (L / (s p))``, or ``None`` when no
+    row needs one.
+
+    ``L / s`` is subnormal (flushed to zero) for ``s > L * 2**126``, which a finite ``s``
+    can reach only when ``L < 4`` (2-bit codes, TernGrad). Such rows are pre-scaled by
+    ``2**-64`` (exact for every element that matters: one below ``2**-62`` would round
+    to level 0 anyway) so that ``L / (s p)`` is normal; every other row has ``p = 1``.
+    """
+    if levels * 2.0 ** 126 >= float(jnp.finfo(jnp.float32).max):
+        return None
+    return jnp.where(scale > levels * 2.0 ** 126, HUGE_PRESCALE, 1.0).astype(jnp.float32)
+
+
+def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: float):
+    """Per-row ``(s, c, s / L)`` of ``y = x + e`` with ``c = L / (s p)``
+    (:func:`row_prescale`; ``p = 1`` but for huge rows of ``L < 4``), 0 where ``s = 0``.
+
+    ``s`` is the absmax ``max |y|``, exact in any order, with two floors and a flag:
+
+    * NaN when the row holds a NaN or an Inf, so it decodes to NaN on every replica;
+    * ``L * 2**-126`` when ``0 < max |y| <`` that: then ``L / s`` (``2**126``) is finite
+      and the step ``s / L`` (``2**-126``) is normal. A smaller ``s`` would make ``L / s``
+      overflow (``0 * inf`` is NaN: finite blocks decoded as NaN) or the step subnormal
+      (flushed: the block decoded as zeros). Such a block is quantized on the grid of
+      step ``2**-126``: absolute error at most half a step (nearest), decoded values
+      below ``2**-126`` flushed to zero.
+
+    The quotients are XLA's; kernels take them as inputs (one extra read of ``x`` and
+    ``e``) rather than dividing themselves.
     """
     scale = row_absmax(feedback_sum(x, residual).reshape(x.shape))
-    # A non-finite block's scale is NaN, so the block decodes to NaN instead of a finite code.
     scale = jnp.where(jnp.isinf(scale), jnp.nan, scale)
-    # Where L / s would be subnormal (flushed to zero on CPU) the block cannot be encoded:
-    # its scale travels as NaN, so it decodes to NaN on every replica and is flagged, never
-    # silently zero.
-    if levels * 2.0 ** 126 < float(jnp.finfo(jnp.float32).max):
-        scale = jnp.where(scale > levels * 2.0 ** 126, jnp.nan, scale)
-    return scale, safe_recip(scale, float(levels)), scale / levels
+    floor = levels * TINY
+    scale = jnp.where((scale > 0) & (scale < floor), floor, scale)
+    pre = row_prescale(scale, levels)
+    return scale, safe_recip(scale if pre is None else scale * pre, float(levels)), scale / levels
 
 
 def quantize_reference(
@@ -123,7 +154,8 @@ def quantize_reference(
     scale, c, step = row_constants(y.reshape(x.shape), None, levels=levels)
     x = y.reshape(x.shape)
     c = c[:, None]
-    q = fence(x * c, c)
+    pre = row_prescale(scale, levels)
+    q = fence((x if pre is None else fence(x * pre[:, None], c)) * c, c)
     r = jnp.floor(q + uniforms) if uniforms is not None else jnp.round(q)
     lv = jnp.clip(r, -levels, levels)
     codes = (lv + levels).astype(jnp.uint32)

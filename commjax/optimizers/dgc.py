@@ -247,7 +247,7 @@ def _update(cfg: _Config, updates: Any, state: DGCState, params: Any):
     metrics = {
         "density": density.reshape(1),
         "ratio": jnp.asarray(cfg.ratios, jnp.float32)[_stage(cfg, state.count)].reshape(1),
-        "residual_norm": jnp.linalg.norm(new_v).reshape(1),
+        "residual_norm": guards.l2_norm([new_v]).reshape(1),
         "nonfinite": bad.astype(jnp.float32).reshape(1),
     }
     new_state = DGCState(count=state.count + 1, momentum=new_u, accumulation=new_v,
