@@ -1,10 +1,10 @@
 """Reading the collectives of an HLO module from its text (the parser behind
-:func:`commjax.collective_bytes`).
+[`commjax.collective_bytes`][]).
 
-:func:`scan` returns one :class:`RawCollective` per collective instruction reachable from
+``scan`` returns one ``RawCollective`` per collective instruction reachable from
 the entry computation: its kind, operand element types and bytes, replica-group size, and
 whether a ``while`` body or a ``conditional`` branch lies on the way to it. Byte totals and
-the ring convention are :mod:`commjax.accounting`'s.
+the ring convention are [`commjax.accounting`][]'s.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class AccountingError(RuntimeError):
 
 
 class RawCollective(NamedTuple):
-    """One collective instruction as the text states it (see :class:`commjax.accounting.Collective`)."""
+    """One collective instruction as the text states it (see
+    [`commjax.accounting.Collective`][])."""
 
     kind: str
     dtypes: tuple

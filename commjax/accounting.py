@@ -2,10 +2,12 @@
 
 Two views of the same quantity, checked against each other by the tests:
 
-* the **plan** (:class:`CommunicationPlan`, from :func:`commjax.communication_plan`): what a
+* the **plan** ([`CommunicationPlan`][commjax.accounting.CommunicationPlan], from
+  [`commjax.communication_plan`][]): what a
   transform or a collective sends, computed from shapes without compiling, as a list of
-  :class:`Transfer` records;
-* the **compiled program** (:class:`CollectiveReport`, from :func:`collective_bytes`):
+  [`Transfer`][commjax.accounting.Transfer] records;
+* the **compiled program** ([`CollectiveReport`][commjax.accounting.CollectiveReport], from
+  [`collective_bytes`][commjax.accounting.collective_bytes]):
   every collective of the *optimized* HLO that XLA compiles.
 
 Conventions
@@ -30,7 +32,8 @@ is counted once, as if its enclosing computation ran once. A collective inside a
 ``while`` body (``lax.fori_loop``, ``lax.scan``) is flagged ``in_loop=True`` and is
 *not* multiplied by the trip count; one inside a ``conditional`` branch is flagged
 ``in_conditional=True`` and is counted even though only one branch runs. A plan's
-:attr:`CommunicationPlan.compiled_bytes` follows the same convention (every transfer
+[`CommunicationPlan.compiled_bytes`][commjax.accounting.CommunicationPlan.compiled_bytes] follows
+the same convention (every transfer
 once), so that the two are comparable.
 """
 from __future__ import annotations
@@ -75,7 +78,7 @@ def ring_bytes(kind: str, operand_bytes: float, group_size: int) -> float:
     """Per-device bytes a bandwidth-optimal ring sends for one collective.
 
     Args:
-      kind: one of :data:`COLLECTIVE_KINDS` (``"all-reduce"``, ``"all-gather"``,
+      kind: one of ``COLLECTIVE_KINDS`` (``"all-reduce"``, ``"all-gather"``,
         ``"reduce-scatter"``, ``"all-to-all"``, ``"collective-permute"``).
       operand_bytes: ``S``, the per-device input buffer of the collective as it
         appears in the compiled HLO (for all-gather: the shard each device
@@ -119,14 +122,15 @@ class Collective:
     """One collective instruction of a compiled HLO module.
 
     Attributes:
-      kind: one of :data:`COLLECTIVE_KINDS` (async ``-start`` forms are reported under
+      kind: one of ``COLLECTIVE_KINDS`` (async ``-start`` forms are reported under
         their synchronous kind).
       dtypes: element types of the operands, in operand order (one per operand of a
         variadic/combined op), e.g. ``("u8",)`` or ``("f32", "f32")``.
       operand_bytes: ``S``, total bytes of the per-device operands.
       group_size: ``N``, devices per replica group (for collective-permute: the
         number of distinct devices in ``source_target_pairs``).
-      ring_bytes: :func:`ring_bytes` of (kind, operand_bytes, group_size).
+      ring_bytes: [`ring_bytes`][commjax.accounting.ring_bytes] of (kind, operand_bytes,
+        group_size).
       hlo_name: the instruction's name in the HLO.
       in_loop: the instruction sits (directly or through calls) in a ``while`` body or
         condition. Counted once per execution of the enclosing computation, *not*
@@ -150,7 +154,8 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveReport:
-    """All collectives of one compiled program (see :func:`collective_bytes`).
+    """All collectives of one compiled program (see
+    [`collective_bytes`][commjax.accounting.collective_bytes]).
 
     Byte totals are per device and static: each collective is counted once (see the
     module docstring about loops and conditionals).
@@ -162,12 +167,12 @@ class CollectiveReport:
 
     @property
     def total_ring_bytes(self) -> float:
-        """Sum of :attr:`Collective.ring_bytes`: per-device bytes on the wire."""
+        """Sum of ``Collective.ring_bytes``: per-device bytes on the wire."""
         return float(sum(c.ring_bytes for c in self.collectives))
 
     @property
     def total_operand_bytes(self) -> int:
-        """Sum of :attr:`Collective.operand_bytes`."""
+        """Sum of ``Collective.operand_bytes``."""
         return int(sum(c.operand_bytes for c in self.collectives))
 
     @property
@@ -261,7 +266,8 @@ class Transfer:
     Attributes:
       what: what travels (``"exact bucket"``, ``"gradient shards"``, ``"fragment 2"``...).
       collective: how (``"all-reduce"``, ``"two_phase"``, ``"all-gather"``...).
-      bytes: per device, each time it runs (ring convention, as :func:`ring_bytes`).
+      bytes: per device, each time it runs (ring convention, as
+        [`ring_bytes`][commjax.accounting.ring_bytes]).
       every: in the steady state it runs once every ``every`` steps (``1``: every step;
         DiLoCo's sync: ``sync_every``); ``0``: outside the steady state (the first step
         only, warm-up, or only on a step where a payload overflows its code).
@@ -276,16 +282,17 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class CommunicationPlan:
     """What one step of a transform (or one collective) sends, per device, without
-    compiling: made by :func:`commjax.communication_plan`.
+    compiling: made by [`commjax.communication_plan`][].
 
     Attributes:
       transform: its name (``"compressed_mean(int4)"``, ``"zero"``, ``"all_gather"``...).
       num_replicas: ``N``, the replicas of the (outer) axis.
-      transfers: every exchange the compiled step holds, each a :class:`Transfer`.
+      transfers: every exchange the compiled step holds, each a
+        [`Transfer`][commjax.accounting.Transfer].
       baseline_bytes: what the exact fp32 mean of the same floating-point values sends
-        (one all-reduce over ``N``): the reference of :attr:`compression_ratio`.
+        (one all-reduce over ``N``): the reference of ``compression_ratio``.
       routing: for transforms built on ``compressed_mean`` (and DGC), where each leaf goes
-        (a :class:`commjax.plan.MeanPlan`); ``None`` otherwise.
+        (a [`commjax.plan.MeanPlan`][]); ``None`` otherwise.
     """
 
     transform: str
@@ -310,13 +317,14 @@ class CommunicationPlan:
 
     @property
     def compiled_bytes(self) -> float:
-        """Every transfer counted once: what :func:`collective_bytes` reads from the
+        """Every transfer counted once: what
+        [`collective_bytes`][commjax.accounting.collective_bytes] reads from the
         compiled step (``total_ring_bytes``), conditional branches included."""
         return float(sum(t.bytes for t in self.transfers))
 
     @property
     def compression_ratio(self) -> float:
-        """:attr:`baseline_bytes` over :attr:`bytes_per_step`."""
+        """``baseline_bytes`` over ``bytes_per_step``."""
         b = self.bytes_per_step
         return float("inf") if b == 0 else self.baseline_bytes / b
 
@@ -349,7 +357,7 @@ _PLANNER = "_commjax_planner"
 def with_plan(obj: Any, planner: Callable[..., CommunicationPlan]) -> Any:
     """Attach ``planner(params, num_replicas, **options) -> CommunicationPlan`` to ``obj``
     and return ``obj``: a transform (``optax.GradientTransformation``: held by its
-    ``update`` function) or a collective op function. :func:`commjax.communication_plan`
+    ``update`` function) or a collective op function. [`commjax.communication_plan`][]
     finds it there."""
     target = obj.update if _is_transform(obj) else obj
     setattr(target, _PLANNER, planner)
@@ -357,7 +365,7 @@ def with_plan(obj: Any, planner: Callable[..., CommunicationPlan]) -> Any:
 
 
 def planner_of(obj: Any) -> Optional[Callable[..., CommunicationPlan]]:
-    """The planner :func:`with_plan` attached to ``obj``, or ``None``."""
+    """The planner [`with_plan`][commjax.accounting.with_plan] attached to ``obj``, or ``None``."""
     return getattr(obj.update if _is_transform(obj) else obj, _PLANNER, None)
 
 
@@ -439,10 +447,12 @@ def collective_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Colle
     ``fn`` is used as is when it already has ``.lower`` (a ``jax.jit`` / ``jax.pmap``
     result), otherwise it is wrapped in ``jax.jit``; a ``jax.stages.Lowered`` or
     ``Compiled`` object is also accepted (then ``args`` are ignored). The optimized
-    HLO (``compiled.as_text()``) is parsed by :func:`parse_hlo_collectives`.
+    HLO (``compiled.as_text()``) is parsed by
+    [`parse_hlo_collectives`][commjax.accounting.parse_hlo_collectives].
 
     Returns:
-      A :class:`CollectiveReport`; ``report.total_ring_bytes`` is the per-device ring
+      A [`CollectiveReport`][commjax.accounting.CollectiveReport]; ``report.total_ring_bytes`` is
+      the per-device ring
       cost (static count: collectives in loops are counted once).
 
     Raises:

@@ -2,7 +2,7 @@
 
 ``optax.MultiSteps`` calls its inner transform on *every* micro-step and keeps the
 result only on the last one (a select), so a compressed exchange inside it sends its
-bytes ``k`` times per real step. :func:`accumulate` keeps the same state
+bytes ``k`` times per real step. [`accumulate`][commjax.accumulate.accumulate] keeps the same state
 (``optax.MultiStepsState``, so checkpoints of either load into the other) and the same
 running mean, but runs the inner transform under a ``lax.cond`` on the replicated
 micro-step counter: its collectives execute only on the ``k``-th micro-step.
@@ -15,7 +15,7 @@ Replica ``i``, micro-step ``j = 0..k-1`` of a real step, gradient ``g_ij``::
               a_i <- 0
 
 Bytes per real step = one exchange of ``tx`` (its plan's ``bytes_per_step``; for a ``tx``
-that :func:`commjax.communication_plan` knows, the accumulated transform's plan spreads
+that [`commjax.communication_plan`][] knows, the accumulated transform's plan spreads
 it over the ``k`` micro-steps), against
 ``k`` exchanges for ``optax.MultiSteps``. The parameters are those of
 ``optax.MultiSteps`` with the same inner transform (same formula, same order) up to the
@@ -108,7 +108,7 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
 
     The state is an ``optax.MultiStepsState``: ``acc_grads`` is per replica (each
     replica's own running mean), everything else replicated;
-    :func:`commjax.init_sharded` finds that by tracing.
+    [`commjax.init_sharded`][] finds that by tracing.
 
     Returns:
       An ``optax.GradientTransformation``. Updates are zero on the first ``k - 1``

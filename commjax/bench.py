@@ -9,7 +9,7 @@ compressor's step (``cj.data_parallel`` of ``chain(cj.compressed_mean(c), sgd)``
 compiled and timed, next to the exact fp32 mean and a floor with no exchange at all
 (each replica applies its own gradient). The table gives, per step and device:
 
-* ``bytes``: what the compiled HLO sends (:meth:`commjax.DataParallel.collectives`);
+* ``bytes``: what the compiled HLO sends ([`commjax.DataParallel.collectives`][]);
 * ``step``: median wall time of ``--steps`` steps;
 * ``speedup``: ``t_exact / t``;
 * ``bound``: the speedup its bytes alone would allow. With ``t0`` the floor's step and

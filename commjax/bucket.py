@@ -7,7 +7,7 @@ to a loop that works out, for every element, which part and which index it comes
 several times slower than joining ``[rows, W]`` blocks along axis 0, where each row comes
 whole from one part and the same bytes land in the same places.
 
-:func:`row_width` picks ``W``: the largest power of two up to :data:`MAX_ROW_WIDTH` that
+``row_width`` picks ``W``: the largest power of two up to ``MAX_ROW_WIDTH`` that
 divides every part's length (then every offset is a whole number of rows too). When the
 lengths share no such factor the bucket falls back to the one-dimensional concatenation.
 The result is bit-for-bit the same either way.
@@ -56,5 +56,5 @@ def concat(parts: Sequence[jax.Array]) -> jax.Array:
 
 def cut(v: jax.Array, segments: Sequence[Any]) -> list[jax.Array]:
     """The inverse of joining: each segment's own ``v[offset:offset + size]`` (its padding
-    dropped), for segments such as :class:`commjax.compressors.base.Segment`."""
+    dropped), for segments such as [`commjax.compressors.base.Segment`][]."""
     return [v[s.offset:s.offset + s.size] for s in segments]

@@ -1,13 +1,14 @@
 """Saving and restoring training state with orbax, bit for bit: a convenience.
 
-Every commjax state (and :class:`commjax.TrainState`) is a pytree of arrays with no
+Every commjax state (and [`commjax.TrainState`][]) is a pytree of arrays with no
 zero-size array, so orbax's standard handlers save it as it is, into a
 ``CheckpointManager`` of your own::
 
     mgr.save(step, args=ocp.args.StandardSave(state))
     state = mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
-Nothing here is needed for that. :class:`Checkpointer` adds conveniences on top:
+Nothing here is needed for that. [`Checkpointer`][commjax.checkpoint.Checkpointer] adds conveniences
+on top:
 
 * **Any pytree, any container type.** The tree is stored as a flat, ordered list of
   leaves plus the list of their pytree paths; restoring unflattens into the structure of
@@ -16,15 +17,17 @@ Nothing here is needed for that. :class:`Checkpointer` adds conveniences on top:
   trip without custom orbax handlers, and a template that does not match the checkpoint
   fails with an error that names the first differing path.
 * **The layout of the template.** Each restored array gets the sharding of the
-  template's array: global arrays laid out with :func:`commjax.shard_state` come back
+  template's array: global arrays laid out with [`commjax.shard_state`][] come back
   sharded ``P(axis)`` (per-replica leaves) or ``P()`` (replicated leaves) on the same
-  mesh, and ``pmap`` states (:func:`commjax.pmap_state`, leading device axis) come back
+  mesh, and ``pmap`` states ([`commjax.pmap_state`][], leading device axis) come back
   with their leading axis. Each replica's own residual is restored to that replica.
 * **Typed PRNG keys** (``jax.random.key``) are stored as their raw key data and wrapped
   again on restore.
 
-Every process of a multi-process job must call :meth:`Checkpointer.save` and
-:meth:`Checkpointer.restore` (orbax coordinates them; each process writes and reads its
+Every process of a multi-process job must call
+[`Checkpointer.save`][commjax.checkpoint.Checkpointer.save] and
+[`Checkpointer.restore`][commjax.checkpoint.Checkpointer.restore] (orbax coordinates them; each
+process writes and reads its
 own shards).
 
 Example::
@@ -99,9 +102,9 @@ class Checkpointer:
       directory: where step sub-directories are written (created if missing). Local
         paths and any path orbax understands (``gs://...``) are accepted.
       max_to_keep: keep only the newest ``max_to_keep`` checkpoints (None: keep all).
-      async_save: return from :meth:`save` while orbax writes in the background (the
-        arrays are copied to host memory first). Call :meth:`wait_until_finished` before
-        relying on the files. Default False: :meth:`save` returns once written.
+      async_save: return from ``save`` while orbax writes in the background (the
+        arrays are copied to host memory first). Call ``wait_until_finished`` before
+        relying on the files. Default False: ``save`` returns once written.
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: Optional[int] = None,
@@ -127,7 +130,7 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def metadata(self, step: Optional[int] = None) -> dict:
-        """The ``metadata`` dict given to :meth:`save` (and the stored leaf paths)."""
+        """The ``metadata`` dict given to ``save`` (and the stored leaf paths)."""
         ocp = _ocp()
         step = self._resolve(step)
         try:
@@ -192,7 +195,7 @@ class Checkpointer:
 
         ``like`` is a template with the same pytree structure as the saved tree: typically
         the freshly initialised ``{"params": ..., "opt_state": ...}``, laid out the way the
-        run uses it (:func:`commjax.shard_state` or :func:`commjax.pmap_state`). Its
+        run uses it ([`commjax.shard_state`][] or [`commjax.pmap_state`][]). Its
         arrays may also be ``jax.ShapeDtypeStruct`` (with a ``sharding``). Each restored
         array takes the shape, dtype and sharding of the template's leaf; numpy leaves are
         restored as numpy arrays.
@@ -272,13 +275,14 @@ class Checkpointer:
 
 def save(directory: str | os.PathLike, step: int, tree: Any, *,
          metadata: Optional[Mapping[str, Any]] = None) -> None:
-    """One-shot :meth:`Checkpointer.save` (synchronous)."""
+    """One-shot [`Checkpointer.save`][commjax.checkpoint.Checkpointer.save] (synchronous)."""
     with Checkpointer(directory) as c:
         c.save(step, tree, metadata=metadata)
 
 
 def restore(directory: str | os.PathLike, like: Any, *, step: Optional[int] = None) -> Any:
-    """One-shot :meth:`Checkpointer.restore` (default: the latest step)."""
+    """One-shot [`Checkpointer.restore`][commjax.checkpoint.Checkpointer.restore] (default: the
+    latest step)."""
     with Checkpointer(directory) as c:
         return c.restore(like, step)
 

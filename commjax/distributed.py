@@ -1,15 +1,15 @@
 """Multi-process start-up for commjax: a thin, version-tolerant wrapper over
-:func:`jax.distributed.initialize`.
+``jax.distributed.initialize``.
 
 commjax adds no process manager or transport of its own (see docs/multihost.md): every
 process runs the same SPMD program, ``jax.distributed`` connects them, and XLA's
 collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU) move the bytes. This module
 only
 
-* reads the environment that :mod:`commjax.launch` (or any other launcher) sets,
+* reads the environment that [`commjax.launch`][] (or any other launcher) sets,
 * sizes the local CPU device count *before* the backend starts,
 * makes sure CPU collectives are gloo, optionally pinned to one network interface,
-* calls :func:`jax.distributed.initialize` with finite time-outs, passing only the
+* calls ``jax.distributed.initialize`` with finite time-outs, passing only the
   keyword arguments the installed JAX accepts, and
 * builds the 1-D global data-parallel mesh.
 
@@ -27,7 +27,8 @@ Environment variables (all set by ``python -m commjax.launch``)
 
 Time-outs and what happens when a peer dies
 -------------------------------------------
-* ``initialization_timeout``: :func:`initialize` (``client.connect()``) blocks until
+* ``initialization_timeout``: [`initialize`][commjax.distributed.initialize] (``client.connect()``)
+  blocks until
   all ``N`` processes have registered with the coordinator; after this many seconds it
   raises instead of hanging (e.g. a process never started, or a wrong port).
 * ``heartbeat_timeout``: every client sends heartbeats to the coordination service
@@ -50,7 +51,7 @@ Time-outs and what happens when a peer dies
   every process to reach it. If a peer is slow to finish, the others wait at most
   this long (a dead peer is caught sooner by the heartbeat time-out).
 
-:mod:`commjax.launch` does not rely on any of this: as soon as one child exits
+[`commjax.launch`][] does not rely on any of this: as soon as one child exits
 non-zero it terminates the others (SIGTERM, then SIGKILL), so a run fails fast with
 the failing process' exit code. The time-outs matter for other launchers (Slurm,
 mpirun, Kubernetes) and for children the launcher cannot see.
@@ -60,7 +61,8 @@ Gloo and the network interface
 JAX creates its CPU collectives in ``jax._src.xla_bridge.make_cpu_client``: when
 ``jax.distributed`` is initialised and ``jax_cpu_collectives_implementation`` is
 ``"gloo"`` (the default in 0.10.2, where the option can also be ``"mpi"`` or
-``"megascale"``; older JAX defaulted to no CPU collectives, so :func:`initialize`
+``"megascale"``; older JAX defaulted to no CPU collectives, so
+[`initialize`][commjax.distributed.initialize]
 selects gloo when the option is unset) it calls
 ``_jax.make_gloo_tcp_collectives(distributed_client=...)``. That jaxlib function
 accepts ``hostname=`` and ``interface=`` keyword arguments, copied into gloo's
@@ -74,9 +76,10 @@ and the collectives still run). Each process publishes its gloo address through 
 coordinator's key-value store, so the advertised address must be reachable from every
 peer: across network namespaces or hosts, a hostname that resolves to loopback breaks
 gloo while the coordinator (which binds ``[::]:port``) still works.
-:func:`initialize` with ``interface=`` therefore re-registers JAX's ``"cpu"`` backend
+[`initialize`][commjax.distributed.initialize] with ``interface=`` therefore re-registers JAX's
+``"cpu"`` backend
 factory with one that builds the gloo collectives with ``interface=...``. This uses
-private JAX API; if it is missing in a future JAX version a :class:`RuntimeWarning` is
+private JAX API; if it is missing in a future JAX version a ``RuntimeWarning`` is
 issued and JAX's default selection is used.
 """
 
@@ -125,7 +128,7 @@ ENV_INIT_TIMEOUT = "COMMJAX_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "COMMJAX_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "COMMJAX_SHUTDOWN_TIMEOUT"
 
-#: Seconds :func:`initialize` waits for all processes to connect.
+#: Seconds ``initialize`` waits for all processes to connect.
 DEFAULT_INIT_TIMEOUT = 60
 #: Seconds without heartbeats after which a process is declared dead.
 DEFAULT_HEARTBEAT_TIMEOUT = 10
@@ -138,7 +141,8 @@ _INITIALIZED_BY_US = False
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """Everything :func:`initialize` needs, as read from the environment."""
+    """Everything [`initialize`][commjax.distributed.initialize] needs, as read from the
+    environment."""
 
     coordinator_address: str
     num_processes: int
@@ -292,7 +296,8 @@ def _supported_kwargs(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _check_initialize_args(coordinator_address: str, num_processes: int, process_id: int,
                            local_devices: int | None) -> None:
-    """The arguments of :func:`initialize`, each checked with its name in the message."""
+    """The arguments of [`initialize`][commjax.distributed.initialize], each checked with its name
+    in the message."""
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
     if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
@@ -396,14 +401,16 @@ def initialize(
 
 
 def initialize_from_env(environ: Mapping[str, str] | None = None, *, required: bool = False) -> bool:
-    """Calls :func:`initialize` with the ``COMMJAX_*`` environment set by the launcher.
+    """Calls [`initialize`][commjax.distributed.initialize] with the ``COMMJAX_*`` environment set
+    by the launcher.
 
     Args:
       environ: mapping to read instead of ``os.environ``.
       required: raise if the environment is not set, instead of running as one process.
 
     Returns:
-      True if the variables were found and :func:`initialize` ran, False if they are
+      True if the variables were found and [`initialize`][commjax.distributed.initialize] ran, False
+      if they are
       absent (a plain single-process run: nothing is changed).
 
     Raises:

@@ -32,10 +32,13 @@ Stochastic codecs need a ``key`` that is the same on every replica. Inside ``lax
 over stacked layers, the stacked shards ``[L, s]`` are scanned like any other array (fold
 the layer index into the key).
 
-Helpers lay out a parameter tree: :func:`fsdp_shard` (full -> padded flat global shards),
-:func:`fsdp_unshard` (back), :func:`fsdp_like` (the shapes to gather into),
-:func:`fsdp_specs` (``PartitionSpec`` s); :func:`shard_size` is the padding rule, shared
-with :func:`commjax.zero`.
+Helpers lay out a parameter tree: [`fsdp_shard`][commjax.fsdp.fsdp_shard] (full -> padded flat
+global shards),
+[`fsdp_unshard`][commjax.fsdp.fsdp_unshard] (back), [`fsdp_like`][commjax.fsdp.fsdp_like] (the
+shapes to gather into),
+[`fsdp_specs`][commjax.fsdp.fsdp_specs] (``PartitionSpec`` s);
+[`shard_size`][commjax.fsdp.shard_size] is the padding rule, shared
+with [`commjax.zero`][].
 """
 
 from __future__ import annotations
@@ -80,13 +83,16 @@ def _batch_shape(leaf: Any, batch_dims: int) -> tuple:
 def fsdp_shard(params: Any, num_shards: int, *, align: int = 1, batch_dims: int = 0,
                min_compress_size: int = 1024) -> Any:
     """Each leaf ``[*b, *shape]`` as the flat, zero-padded ``[*b, num_shards * s]`` array
-    whose ``num_shards`` consecutive pieces of ``s`` (:func:`shard_size`) are the shards.
+    whose ``num_shards`` consecutive pieces of ``s`` ([`shard_size`][commjax.fsdp.shard_size]) are
+    the shards.
 
     Works on host (NumPy) or device arrays, outside ``shard_map``; place the result with
-    :func:`fsdp_specs` (shard ``r`` on replica ``r``). ``batch_dims`` leading axes (stacked
+    [`fsdp_specs`][commjax.fsdp.fsdp_specs] (shard ``r`` on replica ``r``). ``batch_dims`` leading
+    axes (stacked
     layers for ``lax.scan``) are kept. ``align``: the block of the codec that will carry the
     shards (``codec.alignment``), so that shards are whole blocks; leaves of fewer than
-    ``min_compress_size`` elements (which :func:`fsdp_gather` sends exactly) are padded to
+    ``min_compress_size`` elements (which [`fsdp_gather`][commjax.fsdp.fsdp_gather] sends exactly)
+    are padded to
     a multiple of ``num_shards`` only.
     """
     def one(leaf):
@@ -101,13 +107,15 @@ def fsdp_shard(params: Any, num_shards: int, *, align: int = 1, batch_dims: int 
 
 def fsdp_like(params: Any, *, batch_dims: int = 0) -> Any:
     """``jax.ShapeDtypeStruct`` of each leaf without its ``batch_dims`` leading axes: the
-    ``like=`` of :func:`fsdp_gather` (one layer's shapes when the layers are stacked)."""
+    ``like=`` of [`fsdp_gather`][commjax.fsdp.fsdp_gather] (one layer's shapes when the layers are
+    stacked)."""
     return jax.tree_util.tree_map(
         lambda l: jax.ShapeDtypeStruct(tuple(np.shape(l))[batch_dims:], jnp.result_type(l)), params)
 
 
 def fsdp_unshard(shards: Any, like: Any, *, batch_dims: int = 0) -> Any:
-    """The inverse of :func:`fsdp_shard`: ``[*b, N * s] -> [*b, *like.shape]`` (padding dropped)."""
+    """The inverse of [`fsdp_shard`][commjax.fsdp.fsdp_shard]: ``[*b, N * s] -> [*b, *like.shape]``
+    (padding dropped)."""
     def one(flat, l):
         b = tuple(np.shape(flat))[:batch_dims]
         m = math.prod(l.shape)
@@ -117,7 +125,8 @@ def fsdp_unshard(shards: Any, like: Any, *, batch_dims: int = 0) -> Any:
 
 
 def fsdp_specs(shards: Any, axis_name: Any, *, batch_dims: int = 0) -> Any:
-    """``PartitionSpec`` of each :func:`fsdp_shard` leaf: ``P(None,..., axis_name)``."""
+    """``PartitionSpec`` of each [`fsdp_shard`][commjax.fsdp.fsdp_shard] leaf: ``P(None,...,
+    axis_name)``."""
     return jax.tree_util.tree_map(lambda _: P(*([None] * batch_dims), axis_name), shards)
 
 
@@ -229,15 +238,17 @@ def fsdp_gather(
 ) -> Any:
     """Gather the full parameters from this replica's shards, each shard sent encoded.
 
-    Forward: ``full = concat_r C(shard_r)`` (:func:`commjax.collectives.all_gather`), then,
+    Forward: ``full = concat_r C(shard_r)`` ([`commjax.collectives.all_gather`][]), then,
     with ``like``, padding dropped and each leaf reshaped to ``like``'s shape and dtype.
     VJP: the cotangent of ``full`` goes through ``reduce_scatter`` with ``grad_codec``
     (replica ``r`` receives chunk ``r`` of ``sum_q C_g(ct_q)``), divided by the number of
     replicas when ``grad_mean`` (module docstring for the bytes).
 
     Args:
-      shard: pytree of this replica's shards, each 1-D ``[s]`` (from :func:`fsdp_shard`,
-        placed with :func:`fsdp_specs`) or any rank >= 1 (gathered along axis 0).
+      shard: pytree of this replica's shards, each 1-D ``[s]`` (from
+        [`fsdp_shard`][commjax.fsdp.fsdp_shard],
+        placed with [`fsdp_specs`][commjax.fsdp.fsdp_specs]) or any rank >= 1 (gathered along axis
+        0).
       axis_name: the mesh axis the parameters are sharded over (bound by ``shard_map``).
       codec: the weights' codec (qwZ: ``cj.quantize(bits=8, stochastic=False)``); ``None``:
         exact.
@@ -245,14 +256,16 @@ def fsdp_gather(
       key: PRNG key, the same on every replica, for stochastic codecs (fold in the step and
         the layer).
       like: pytree (matching ``shard``) of arrays or ``jax.ShapeDtypeStruct`` with the full
-        shapes (:func:`fsdp_like`); ``None``: return the padded flat gather ``[N * s]``.
+        shapes ([`fsdp_like`][commjax.fsdp.fsdp_like]); ``None``: return the padded flat gather
+        ``[N * s]``.
       grad_mean: divide the reduced gradient by the number of replicas (default: the
         gradient of the mean of the replicas' losses).
       inner_axis_name, inner_codec, inner_grad_codec: a second, fast mesh axis (two-level:
-        :mod:`commjax.collectives`); the shard then lives on ``(axis, inner axis)``.
+        [`commjax.collectives`][]); the shard then lives on ``(axis, inner axis)``.
       min_compress_size: leaves of fewer elements (``like``'s, else the gathered ones:
         biases, norms), and leaves whose shard is not a whole number of ``codec`` blocks,
-        travel exactly (as :func:`fsdp_shard` lays them out with the same threshold).
+        travel exactly (as [`fsdp_shard`][commjax.fsdp.fsdp_shard] lays them out with the same
+        threshold).
 
     Returns:
       The full parameters (``like``'s shapes), identical on every replica.
@@ -311,8 +324,10 @@ def _unpad(full: jax.Array, like: Any, where: str) -> jax.Array:
 def _plan(like: Any, num_replicas: int, *, codec: Optional[Compressor] = None,
           grad_codec: Optional[Compressor] = None, align: int = 1,
           min_compress_size: int = 1024) -> CommunicationPlan:
-    """What one :func:`fsdp_gather` of parameters shaped like ``like`` sends per device (its
-    :func:`commjax.communication_plan`), laid out by :func:`fsdp_shard` with ``align`` over
+    """What one [`fsdp_gather`][commjax.fsdp.fsdp_gather] of parameters shaped like ``like`` sends
+    per device (its
+    [`commjax.communication_plan`][]), laid out by [`fsdp_shard`][commjax.fsdp.fsdp_shard] with
+    ``align`` over
     ``num_replicas`` (one axis): the forward all-gather and, in a step that differentiates
     through it, its VJP's reduce-scatter (once per gather: XLA merges a rematerialised
     gather with the forward one on CPU)."""

@@ -47,8 +47,9 @@ def unbound_message(axis_name: Any, where: str = "compressed_mean") -> str:
 
 
 def check_bound(axis_name: Any, where: str) -> int:
-    """The size of ``axis_name`` (1 for ``None``), or :class:`AxisNotBoundError`; refuses a
-    per-replica conditional around the caller (:func:`check_not_in_replica_conditional`)."""
+    """The size of ``axis_name`` (1 for ``None``), or
+    [`AxisNotBoundError`][commjax.guards.AxisNotBoundError]; refuses a
+    per-replica conditional around the caller (``check_not_in_replica_conditional``)."""
     if axis_name is None:
         return 1
     if not _compat.axis_is_bound(axis_name):
@@ -100,8 +101,8 @@ def all_finite_elementwise(x: jax.Array) -> jax.Array:
     """``jnp.all(jnp.isfinite(x))`` as written: XLA fuses the test into the computation of
     ``x`` and writes one byte per element for the reduction. For a value the step computes
     but never writes out otherwise (an inner optimizer's update, recomputed inside the
-    fusion that applies it), that costs less than :func:`all_finite`, whose reduction
-    needs ``x`` itself in memory; for an array already in memory, :func:`all_finite`
+    fusion that applies it), that costs less than ``all_finite``, whose reduction
+    needs ``x`` itself in memory; for an array already in memory, ``all_finite``
     reads only ``x``."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):

@@ -16,7 +16,7 @@ Each child runs ``python script.py args...`` with
 
 ``--xla_force_host_platform_device_count`` removed from ``XLA_FLAGS`` (``D`` is the
 authority), and the directory holding this ``commjax`` package prepended to
-``PYTHONPATH``. The script calls :func:`commjax.distributed.initialize_from_env`
+``PYTHONPATH``. The script calls [`commjax.distributed.initialize_from_env`][]
 before touching JAX.
 
 Each child's stdout and stderr are streamed line by line with a ``[pI] `` prefix.
@@ -30,7 +30,7 @@ sync point, so stopping such children takes the grace period and then SIGKILL.
 
 This is a convenience for one machine; on clusters use the scheduler (Slurm, mpirun,
 Kubernetes) and set the same environment variables, or call
-:func:`commjax.distributed.initialize` directly.
+[`commjax.distributed.initialize`][] directly.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ _ENV_INTERFACE = "COMMJAX_INTERFACE"
 
 @dataclasses.dataclass
 class LaunchResult:
-    """Outcome of :func:`launch`.
+    """Outcome of [`launch`][commjax.launch.launch].
 
     Attributes:
       returncodes: per process, its exit status as ``Popen.returncode`` reports it
@@ -296,7 +296,7 @@ def launch(
       cwd: working directory of the children.
 
     Returns:
-      A :class:`LaunchResult`; no exception is raised for failing children.
+      A [`LaunchResult`][commjax.launch.LaunchResult]; no exception is raised for failing children.
 
     Raises:
       ValueError: for ``processes < 1``, ``devices_per_process < 1``, a negative
@@ -330,7 +330,8 @@ SETTLE = 1.0
 
 
 class _Job:
-    """The children of one :func:`launch`: started, watched, stopped, reported."""
+    """The children of one [`launch`][commjax.launch.launch]: started, watched, stopped,
+    reported."""
 
     def __init__(self, grace: float, out_sink: TextIO | None, err_sink: TextIO | None):
         self.grace, self.out_sink, self.err_sink = grace, out_sink, err_sink
@@ -361,7 +362,7 @@ class _Job:
 
     def watch(self, deadline: float | None, kill_on_failure: bool) -> None:
         """Poll until every child exited, one failed (then, if asked, stop the others once
-        the failure has had :data:`SETTLE` seconds to show which process caused it), or the
+        the failure has had ``SETTLE`` seconds to show which process caused it), or the
         deadline passed (then stop every child)."""
         everyone = range(len(self.procs))
         first_failure: float | None = None

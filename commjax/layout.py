@@ -10,9 +10,10 @@ Optimizer state has two kinds of leaves:
   ``[N * a, ...]`` array with ``PartitionSpec(axis_name)``.
 
 Which leaves are per replica is found by **tracing** ``tx.init`` and ``tx.update`` under
-``shard_map`` (:func:`infer_per_replica`): a leaf that the update computes from this
+``shard_map`` ([`infer_per_replica`][commjax.layout.infer_per_replica]): a leaf that the update
+computes from this
 replica's gradients without a collective that makes it identical everywhere varies over
-the axis, and so is per replica (:mod:`commjax.varying`). That holds for any optax
+the axis, and so is per replica ([`commjax.varying`][]). That holds for any optax
 transform, wrapper or chain (``optax.MultiSteps``, ``optax.inject_hyperparams``,
 ``flax.nnx.Optimizer``'s state, third-party ones) with nothing to register::
 
@@ -22,14 +23,19 @@ transform, wrapper or chain (``optax.MultiSteps``, ``optax.inject_hyperparams``,
                                  in_specs=(P(), specs, P("data")),
                                  out_specs=(P(), specs)))
 
-A state that is already placed on a mesh (by :func:`init_sharded`, :func:`shard_state`
-or a step's outputs) carries its layout in its shardings, and :func:`state_specs` and
-:func:`per_replica_mask` read it from there. Only a bare local state with no
+A state that is already placed on a mesh (by [`init_sharded`][commjax.layout.init_sharded],
+[`shard_state`][commjax.layout.shard_state]
+or a step's outputs) carries its layout in its shardings, and
+[`state_specs`][commjax.layout.state_specs] and
+[`per_replica_mask`][commjax.layout.per_replica_mask] read it from there. Only a bare local state
+with no
 transform to trace (``cj.shard_state(tx.init(params), mesh, axis)``) falls back to the
-fields that commjax's own state classes declare per replica (:func:`per_replica`);
-pass ``tx=`` and ``params=`` to :func:`shard_state` to trace instead.
+fields that commjax's own state classes declare per replica
+([`per_replica`][commjax.layout.per_replica]);
+pass ``tx=`` and ``params=`` to [`shard_state`][commjax.layout.shard_state] to trace instead.
 
-Under ``pmap`` every leaf gets a leading device axis instead (:func:`pmap_state`).
+Under ``pmap`` every leaf gets a leading device axis instead
+([`pmap_state`][commjax.layout.pmap_state]).
 """
 
 from __future__ import annotations
@@ -124,7 +130,8 @@ def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
     Leaves placed on a mesh answer from their sharding (sharded over the axis along
     dimension 0: per replica; ``P()``: replicated), whatever transform made them. Other
     leaves (a local state fresh from ``tx.init``, tracers) answer from the fields commjax's
-    state classes declare (:func:`per_replica`); use :func:`infer_per_replica` to trace
+    state classes declare ([`per_replica`][commjax.layout.per_replica]); use
+    [`infer_per_replica`][commjax.layout.infer_per_replica] to trace
     an arbitrary transform instead.
     """
     read = _reads_placement(state, axis_name)
@@ -145,8 +152,10 @@ def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
 
 def state_specs(state: Any, axis_name: Any) -> Any:
     """``PartitionSpec``s for ``state``: ``P(axis_name)`` per replica, ``P()`` replicated
-    (see :func:`per_replica_mask` for how that is decided); a leaf placed over other mesh
-    axes too (a model-parallel state, :func:`init_sharded`) keeps its placement's spec."""
+    (see [`per_replica_mask`][commjax.layout.per_replica_mask] for how that is decided); a leaf
+    placed over other mesh
+    axes too (a model-parallel state, [`init_sharded`][commjax.layout.init_sharded]) keeps its
+    placement's spec."""
     mask = per_replica_mask(state, axis_name)
     names = _axis_names(axis_name)
 
@@ -202,8 +211,9 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
     Per-replica leaves (identical at init on every replica) are tiled ``N`` times along
     axis 0 and sharded ``P(axis_name)``; replicated leaves are placed ``P()``. Which is
     which: traced from ``tx`` when ``tx`` and ``params`` are given
-    (:func:`infer_per_replica`), else the fields commjax's state classes declare.
-    Prefer :func:`init_sharded`, which also sizes the state for the mesh.
+    ([`infer_per_replica`][commjax.layout.infer_per_replica]), else the fields commjax's state
+    classes declare.
+    Prefer [`init_sharded`][commjax.layout.init_sharded], which also sizes the state for the mesh.
     """
     n = _mesh_axis_size(mesh, axis_name)
     if tx is None:
@@ -220,7 +230,8 @@ def shard_state(state: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
 
 
 def unshard_state(state: Any, replica: int = 0) -> Any:
-    """The local view of one replica (``replica``) of a :func:`shard_state`-laid state.
+    """The local view of one replica (``replica``) of a
+    [`shard_state`][commjax.layout.shard_state]-laid state.
 
     Only the *shape* of the local view is needed to know how to slice: per-replica leaves
     are cut into equal parts along axis 0 using the mesh size they were sharded over.
@@ -391,7 +402,7 @@ def infer_per_replica(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: 
     split where they are placed with a ``NamedSharding`` over another manual axis (a
     tensor-parallel model axis: each device then traces its shard). A state leaf is per
     replica when, at the fixed point of ``state -> update(grads, state)``, it varies over
-    ``axis_name`` (:func:`carry_layout`, :mod:`commjax.varying`).
+    ``axis_name`` ([`carry_layout`][commjax.layout.carry_layout], [`commjax.varying`][]).
 
     Returns a pytree of bools shaped like ``tx.init(params)`` (as initialised inside
     ``shard_map``, so sized for this mesh).
@@ -459,7 +470,8 @@ def _trace(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any,
 def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
                  per_replica_params: bool = False, manual_axes: Any = None) -> tuple[Any, bool]:
     """``(per-replica mask of the state, whether the updates vary over axis_name)`` from
-    one trace of ``tx`` (:func:`infer_per_replica`). Updates that vary with replicated
+    one trace of ``tx`` ([`infer_per_replica`][commjax.layout.infer_per_replica]). Updates that vary
+    with replicated
     parameters mean ``tx`` averages nothing: the replicas would drift apart."""
     t = _trace(tx, params, mesh, axis_name, per_replica_params, manual_axes)
     names = _axis_names(axis_name)
@@ -494,7 +506,7 @@ def state_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, 
     """``(state specs, parameter specs)`` for a ``shard_map`` manual over ``manual_axes``
     (default: all): per-replica leaves ``P(axis_name)``, replicated ones ``P()``, and on a
     mesh whose parameters are split over a model axis (placed with a ``NamedSharding``),
-    the model-split leaves as :func:`_leaf_spec` says. The parameter specs are the
+    the model-split leaves as ``_leaf_spec`` says. The parameter specs are the
     ``in_specs`` of the parameters (``P()`` where they are whole)."""
     t = _trace(tx, params, mesh, axis_name, per_replica_params, manual_axes)
     names = _axis_names(axis_name)
@@ -507,19 +519,22 @@ def state_layout(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, 
 def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
                  per_replica_params: bool = False, mask: Any = None, manual_axes: Any = None) -> Any:
     """``tx.init(params)`` run inside ``shard_map`` over ``axis_name`` and laid out for it:
-    per-replica leaves (found by tracing, :func:`infer_per_replica`) as global
+    per-replica leaves (found by tracing, [`infer_per_replica`][commjax.layout.infer_per_replica])
+    as global
     ``[N * a, ...]`` arrays sharded ``P(axis_name)``, the rest replicated ``P()``.
 
     Inside ``shard_map`` the axis is bound, so state whose size depends on the number of
     replicas (the two-phase reducer's server residual) is sized for this mesh without a
     ``num_replicas`` argument. ``params`` are one replica's (local) parameters. ``mask``:
-    a per-replica mask already traced (:func:`trace_update`), to skip tracing again.
+    a per-replica mask already traced ([`trace_update`][commjax.layout.trace_update]), to skip
+    tracing again.
 
     Model-parallel meshes: parameters placed with a ``NamedSharding`` over another axis
     (``P(None, "model")``) are initialised shard by shard, and the state follows them
-    (:func:`state_layout`): for a ``shard_map`` manual over every axis. With
+    ([`state_layout`][commjax.layout.state_layout]): for a ``shard_map`` manual over every axis.
+    With
     ``manual_axes=axis_name`` the other axes are left to the compiler (``jax.jit`` with
-    ``NamedSharding``, as :func:`commjax.data_parallel` runs) and the state is laid out
+    ``NamedSharding``, as [`commjax.data_parallel`][] runs) and the state is laid out
     as on a data-only mesh.
     """
     manual = _manual(mesh, manual_axes)

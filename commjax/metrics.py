@@ -1,12 +1,12 @@
 """Per-step communication metrics, read out of any optimizer state.
 
-Every :func:`commjax.compressed_mean` keeps a small per-replica ``metrics`` dict in its
-:class:`~commjax.CompressedMeanState` (the l2 norm of this replica's error-feedback
+Every [`commjax.compressed_mean`][] keeps a small per-replica ``metrics`` dict in its
+[`CompressedMeanState`][commjax.CompressedMeanState] (the l2 norm of this replica's error-feedback
 residual, a non-finite flag, and the compressor's own scalars), computed locally during
 the update with **no extra collective**. This module finds those states wherever they sit
 in an optimizer state (``optax.chain``, ``optax.MultiSteps``, ``inject_hyperparams``,
 ``partition``, ``masked``, ``flax.nnx.Optimizer`` ...) and combines them with the static
-bytes of a :class:`~commjax.CommunicationPlan`::
+bytes of a [`CommunicationPlan`][commjax.CommunicationPlan]::
 
     plan = cj.communication_plan(cj.quantize(bits=4), params, num_replicas=8)
     ...
@@ -66,7 +66,8 @@ def _children(tree: Any) -> list[tuple[str, Any]]:
 
 
 def compressed_mean_states(state: Any) -> list[tuple[str, CompressedMeanState]]:
-    """Every :class:`~commjax.CompressedMeanState` inside ``state``, in pytree order, with
+    """Every [`CompressedMeanState`][commjax.CompressedMeanState] inside ``state``, in pytree order,
+    with
     a ``/``-separated path (``"0"`` for the first element of an ``optax.chain``,
     ``"inner_opt_state/0"`` inside ``MultiSteps``...). Works on concrete and traced
     states alike."""
@@ -128,7 +129,8 @@ def _host_scalar(leaf: Any) -> float:
 
 def replica_metrics(state: Any) -> list[dict[str, np.ndarray]]:
     """Per-replica values of every compressed-mean state in ``state``: one dict per state
-    (in :func:`compressed_mean_states` order) mapping each metric name to a host array
+    (in [`compressed_mean_states`][commjax.metrics.compressed_mean_states] order) mapping each
+    metric name to a host array
     with one value per visible replica, plus ``"exchanges"`` (the state's step count)."""
     out = []
     for _, s in compressed_mean_states(state):
@@ -146,11 +148,12 @@ def step_metrics(state: Any, plan: PlanLike = None) -> dict[str, float]:
     bars).
 
     Args:
-      state: any optimizer state that contains one or more :func:`compressed_mean`
+      state: any optimizer state that contains one or more ``compressed_mean``
         states, in any layout (``shard_state`` global arrays, ``pmap`` leading axis, or
         one replica's local view).
-      plan: the :func:`commjax.communication_plan` of each compressed-mean state found
-        (one plan, or a sequence in :func:`compressed_mean_states` order). The plan is
+      plan: the [`commjax.communication_plan`][] of each compressed-mean state found
+        (one plan, or a sequence in
+        [`compressed_mean_states`][commjax.metrics.compressed_mean_states] order). The plan is
         static (shapes, compressor, replica count), so it is made once, outside the loop.
         Without it the byte counts are left out.
 

@@ -13,7 +13,7 @@ The 1-bit case is the classic "32 signs per uint32 word". A block costs
 ``bits * ceil(B / 32)`` words: no waste when ``B`` is a multiple of 32.
 
 These functions are the pure-jnp reference; the Pallas kernels in
-:mod:`commjax.kernels` produce the same words bit for bit.
+[`commjax.kernels`][] produce the same words bit for bit.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack_codes(words: jax.Array, bits: int, block_size: int) -> jax.Array:
-    """Inverse of :func:`pack_codes`: ``uint32[..., bits * W] -> uint32[..., block_size]``."""
+    """Inverse of [`pack_codes`][commjax.packing.pack_codes]: ``uint32[..., bits * W] ->
+    uint32[..., block_size]``."""
     w = words_per_plane(block_size)
     if words.shape[-1] != bits * w:
         raise ValueError(

@@ -1,13 +1,16 @@
-"""What a step will send: :func:`communication_plan`, and the leaf routing of a compressed mean.
+"""What a step will send: [`communication_plan`][commjax.plan.communication_plan], and the leaf
+routing of a compressed mean.
 
-:func:`communication_plan` is the one way to ask for bytes without compiling: give it a
-codec (the plan of :func:`commjax.compressed_mean` with that codec), a commjax transform
+[`communication_plan`][commjax.plan.communication_plan] is the one way to ask for bytes without
+compiling: give it a
+codec (the plan of [`commjax.compressed_mean`][] with that codec), a commjax transform
 (``cj.zero(...)``, ``cj.diloco(...)``, ...) or a collective op (``cj.fsdp_gather``,
 ``cj.collectives.all_gather``, ...), and it returns a
-:class:`~commjax.accounting.CommunicationPlan` whose :attr:`compiled_bytes` the compiled
+[`CommunicationPlan`][commjax.accounting.CommunicationPlan] whose ``compiled_bytes`` the compiled
 step carries (``tests/test_contract.py`` checks every transform).
 
-The routing of one compressed mean (:class:`MeanPlan`) depends only on the leaves' shapes
+The routing of one compressed mean ([`MeanPlan`][commjax.plan.MeanPlan]) depends only on the leaves'
+shapes
 and dtypes, the compressor, the options and the number of replicas, so it is computed at
 trace time:
 
@@ -50,7 +53,8 @@ PASS, EXACT, COMPRESS = "pass", "exact", "compress"
 @dataclasses.dataclass(frozen=True)
 class MeanPlan:
     """Where every leaf of one compressed mean goes, and what it sends (per device, ring
-    convention): the ``routing`` of its :class:`~commjax.accounting.CommunicationPlan`."""
+    convention): the ``routing`` of its
+    [`CommunicationPlan`][commjax.accounting.CommunicationPlan]."""
 
     routes: tuple[str, ...]  # per leaf: "pass" | "exact" | "compress"
     shapes: tuple[tuple[int, ...], ...]
@@ -63,7 +67,7 @@ class MeanPlan:
     compressor_name: str
     compressed_bytes: float
     exact_bytes: float
-    #: The :class:`commjax.collectives._reducers.Reducer` behind ``reducer`` (None: an exchange or
+    #: The ``commjax.collectives._reducers.Reducer`` behind ``reducer`` (None: an exchange or
     #: one replica).
     reducer_impl: Any = dataclasses.field(default=None, compare=False, repr=False)
     #: One NaN flag per compressed leaf rides in the exact all-reduce (see the module).
@@ -137,7 +141,7 @@ def _compressed_route(compressor: Compressor, reducer: str, n: int, num_replicas
 def _mean_reports_finite(compressor: Compressor, obj: Any, num_replicas: int) -> bool:
     """Whether the compressed stage flags a non-finite input on every replica by itself:
     a codec that encodes each leaf on its own (``leaf_local``) through an exchange, or
-    through a reducer whose received words tell (:meth:`Reducer.reports_finite`; not the
+    through a reducer whose received words tell (``Reducer.reports_finite``; not the
     all-reduce that sends a lossless codec's leaves with the exact ones). Not one replica
     (nothing received)."""
     if num_replicas <= 1 or not compressor.leaf_local:
@@ -205,7 +209,7 @@ def make_plan(
 
 
 def _fallback_bytes(compressor: Compressor, obj: Any, n: int, num_replicas: int) -> float:
-    """What a codec with a fallback (:func:`commjax.lossless`) sends on a step where a
+    """What a codec with a fallback ([`commjax.lossless`][]) sends on a step where a
     payload overflowed: the fallback's payloads of the same values, through the same
     reducer (a conditional branch of the compiled step)."""
     fb = compressor.fallback
@@ -248,7 +252,7 @@ def inner_mean_transfer(leaves: Sequence[Any], inner_replicas: int) -> list[Tran
 def exact_mean_transfers(what: str, leaves: Sequence[Any], num_replicas: int,
                          every: int = 1) -> list[Transfer]:
     """The exact mean of every element of ``leaves`` in one all-reduce (fp32; float64 when
-    a leaf is), as :func:`commjax.collectives._exact.exact_mean` sends it."""
+    a leaf is), as ``commjax.collectives._exact.exact_mean`` sends it."""
     n = sum(int(np.prod(jnp.shape(l))) for l in leaves)
     wide = any(jnp.dtype(jnp.result_type(l)) == jnp.float64 for l in leaves)
     sent = ring_bytes("all-reduce", (8 if wide else 4) * n, num_replicas)
@@ -281,8 +285,8 @@ def mean_plan(
     inner_replicas: int = 1,
     name: Optional[str] = None,
 ) -> CommunicationPlan:
-    """The :class:`~commjax.accounting.CommunicationPlan` of
-    :func:`commjax.compressed_mean` with ``compressor`` and these options, for gradients
+    """The [`CommunicationPlan`][commjax.accounting.CommunicationPlan] of
+    [`commjax.compressed_mean`][] with ``compressor`` and these options, for gradients
     shaped like ``params`` (``inner_replicas``: the size of ``inner_axis_name``)."""
     leaves = jax.tree_util.tree_leaves(params)
     mp = make_plan(leaves, compressor, num_replicas=num_replicas, reducer=reducer,
@@ -300,7 +304,7 @@ def communication_plan(what: Any, params: Any, num_replicas: int, **options: Any
 
     ``what`` is one of
 
-    * a codec (``cj.quantize(bits=4)``): the plan of :func:`commjax.compressed_mean` with
+    * a codec (``cj.quantize(bits=4)``): the plan of [`commjax.compressed_mean`][] with
       it; ``options`` are compressed_mean's (``reducer``, ``min_compress_size``,
       ``compress_vectors``, ``check_finite``) and ``inner_replicas``;
     * a commjax transform as its factory returned it (``cj.compressed_mean(...)``,
@@ -312,7 +316,7 @@ def communication_plan(what: Any, params: Any, num_replicas: int, **options: Any
       ``reduce_scatter``, ``all_reduce``); ``options`` are the op's own (``codec``,
       ``grad_codec``, ...).
 
-    The plan lists every :class:`~commjax.accounting.Transfer` the compiled step holds::
+    The plan lists every [`Transfer`][commjax.accounting.Transfer] the compiled step holds::
 
         plan = cj.communication_plan(cj.quantize(bits=4), params, num_replicas=8)
         print(plan.summary())      # bytes per step against the exact fp32 mean

@@ -14,11 +14,11 @@ What the step does on replica ``i`` of ``N`` (``b_i`` its rows of the batch)::
     u, opt_state = tx.update(g_i, opt_state, params)   # the commjax exchange in tx
     params = params + u                          # u is identical on every replica
 
-and around it: the state's layout found by tracing ``tx`` (:mod:`commjax.layout`), the
+and around it: the state's layout found by tracing ``tx`` ([`commjax.layout`][]), the
 state's buffers donated, a PRNG key per replica and step (``with_rng=True``),
 parameters per replica for DiLoCo-style optimizers (``per_replica_params=True``),
 process-local batches with several processes, ``optax.MultiSteps`` replaced by its
-once-per-real-step equivalent (:func:`commjax.accumulate`), and Flax NNX modules and
+once-per-real-step equivalent ([`commjax.accumulate`][]), and Flax NNX modules and
 ``nnx.Optimizer`` (``dp.init(model)``) through ``nnx.split``/``nnx.merge``.
 """
 
@@ -47,7 +47,8 @@ __all__ = ["TrainState", "DataParallel", "data_parallel"]
 
 
 class TrainState(NamedTuple):
-    """What :meth:`DataParallel.step` carries from step to step (a pytree of arrays:
+    """What [`DataParallel.step`][commjax.step.DataParallel.step] carries from step to step (a
+    pytree of arrays:
     orbax saves it as it is).
 
     Attributes:
@@ -73,7 +74,8 @@ def _is_nnx(x: Any) -> bool:
 
 @dataclasses.dataclass
 class _Nnx:
-    """Static halves of an NNX model and optimizer (set by :meth:`DataParallel.init`)."""
+    """Static halves of an NNX model and optimizer (set by
+    [`DataParallel.init`][commjax.step.DataParallel.init])."""
 
     model_def: Any
     opt_def: Any
@@ -81,7 +83,8 @@ class _Nnx:
 
 
 class DataParallel:
-    """A compiled data-parallel train step; made by :func:`data_parallel`."""
+    """A compiled data-parallel train step; made by
+    [`data_parallel`][commjax.step.data_parallel]."""
 
     def __init__(self, loss_fn, tx, mesh, axis_name, has_aux, with_rng, per_replica_params,
                  donate, check_vma, wrt):
@@ -102,13 +105,15 @@ class DataParallel:
     # ---------------------------------------------------------------- init
 
     def init(self, params: Any, *, optimizer: Any = None, seed: int = 0) -> TrainState:
-        """The first :class:`TrainState`: ``params`` (one replica's parameters, or a Flax NNX
+        """The first [`TrainState`][commjax.step.TrainState]: ``params`` (one replica's parameters,
+        or a Flax NNX
         module) placed on the mesh, the optimizer state initialised inside ``shard_map``
         and laid out by tracing the update, the step counter and a PRNG key from ``seed``.
 
         For an NNX module the step trains it through an ``nnx.Optimizer(model, tx,
         wrt=wrt)``, or through ``optimizer`` if given (its transform and ``wrt``; its state
-        is initialised afresh for the mesh: resume by restoring a :class:`TrainState`).
+        is initialised afresh for the mesh: resume by restoring a
+        [`TrainState`][commjax.step.TrainState]).
         """
         validation.check_int("seed", seed, 0, factory="DataParallel.init")
         if _is_nnx(params) or optimizer is not None:
@@ -158,7 +163,7 @@ class DataParallel:
         """Parameters split over model axes: the optimizer runs on each device's shard (a
         ``shard_map`` manual over the model axes inside the step), so every device
         compresses only its shard and the exchange adds no model-axis traffic. The state
-        is laid out shard by shard (:func:`commjax.layout.state_layout`)."""
+        is laid out shard by shard ([`commjax.layout.state_layout`][])."""
         specs, pspecs = layout.state_layout(self.tx, params, self.mesh, self.axis_name)
         self._shard_specs = (pspecs, jax.tree_util.tree_map(
             lambda sp: _only(sp, self._model_axes), specs, is_leaf=lambda x: isinstance(x, P)))
@@ -406,7 +411,7 @@ def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
         its rows of the batch. For an NNX model, ``loss_fn(model, batch)``.
       tx: an optax transform containing a commjax exchange over ``axis_name``
         (``optax.chain(cj.compressed_mean(...), optax.adam(...))``, ``cj.dgc(...)``, ...).
-        An ``optax.MultiSteps`` is run as :func:`commjax.accumulate` (same state, the same
+        An ``optax.MultiSteps`` is run as [`commjax.accumulate`][] (same state, the same
         numbers up to the last bit, one exchange per real step instead of one per
         micro-step).
       mesh: a ``jax.sharding.Mesh`` with ``axis_name`` among its axes.
@@ -420,7 +425,8 @@ def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
       wrt: the NNX variable filter trained (default ``nnx.Param``).
 
     Returns:
-      A :class:`DataParallel`: ``init(params)``, ``step(state, batch)``, ``collectives``.
+      A [`DataParallel`][commjax.step.DataParallel]: ``init(params)``, ``step(state, batch)``,
+      ``collectives``.
 
     Raises:
       ValueError / TypeError: a bad argument, named in the message with the fix.

@@ -4,7 +4,8 @@ The task is what compression is hardest on: every replica sees a *shifted* input
 distribution, so replicas' gradients disagree and a biased or noisy mean shows up in the
 loss. The loop keeps one copy of the parameters **per replica** (a leading replica axis,
 ``P(axis)``), so that any disagreement between replicas' updates makes their parameters
-drift apart and is caught by :attr:`TrainResult.replicas_identical`.
+drift apart and is caught by
+[`TrainResult.replicas_identical`][commjax.testing.TrainResult.replicas_identical].
 
 Everything here is deterministic: the same arguments give the same bits.
 """
@@ -126,7 +127,8 @@ class TrainResult:
 
 
 def _compiled_step(tx, task: Task, devices, axis_name, check_vma: bool, use_pmap: bool):
-    """:func:`train`'s step under ``pmap`` or ``shard_map``, with its inputs laid out:
+    """[`train`][commjax.testing.train]'s step under ``pmap`` or ``shard_map``, with its inputs laid
+    out:
     ``(step, params, opt_state, x, y)``."""
     n = task.num_replicas
     stacked = jax.tree_util.tree_map(lambda p: jnp.broadcast_to(p, (n,) + p.shape), task.params)
@@ -214,7 +216,7 @@ def update_collectives(
     devices: Optional[list] = None,
 ):
     """Compile (never run) one ``tx.update`` on per-replica gradients shaped like ``params``
-    over ``num_replicas`` devices and return its :class:`commjax.CollectiveReport`.
+    over ``num_replicas`` devices and return its [`commjax.CollectiveReport`][].
 
     Gradients and state are abstract (``jax.ShapeDtypeStruct``), so a model of millions of
     parameters costs only its compile time.
@@ -275,7 +277,7 @@ def same_bits(a: Any, b: Any) -> bool:
 
 def flat_residual(state: Any, num_replicas: int = 1, segments: Optional[Any] = None) -> np.ndarray:
     """A compressed-mean state's worker residuals as one ``[num_replicas, n]`` array, from a
-    state laid out with a leading replica axis (:func:`commjax.shard_state`) or, with
+    state laid out with a leading replica axis ([`commjax.shard_state`][]) or, with
     ``num_replicas=1``, a local one. The leaves' residuals lie side by side in plan order;
     given the plan's ``segments``, each sits at its segment's offset in the padded bucket
     layout instead (zeros in the padding)."""
@@ -335,14 +337,14 @@ def check_compressor(compressor: Compressor, *, num_replicas: Optional[int] = No
                      reducers: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Run commjax's contract checks on a compressor, a user's own codec included.
 
-    The codec alone (:func:`_codec_checks`): uint32 payload of ``payload_words(n)`` words,
+    The codec alone (``_codec_checks``): uint32 payload of ``payload_words(n)`` words,
     deterministic for a key, float32 decode, error below that of sending zeros, exact if
     it claims ``lossless``, block rows independent. Then, through
-    :func:`commjax.compressed_mean` with every reducer that can carry it, on
+    [`commjax.compressed_mean`][] with every reducer that can carry it, on
     ``num_replicas`` devices (default: up to 4 of ``jax.devices()``): an unbound axis
-    raises :class:`commjax.AxisNotBoundError`; ``steps`` of non-i.i.d. training leave
+    raises [`commjax.AxisNotBoundError`][]; ``steps`` of non-i.i.d. training leave
     every replica with bit-identical parameters and a finite loss; the compiled HLO sends
-    exactly the bytes of :func:`commjax.communication_plan`. ``reducers`` limits the
+    exactly the bytes of [`commjax.communication_plan`][]. ``reducers`` limits the
     reducers tried (each compiles and trains once; default: every valid one and "auto").
 
     Returns ``{"reducers": [...], "hlo_bytes": {reducer: bytes}, "final_loss": {...}}``.

@@ -6,7 +6,7 @@ same bits, and *varying* when replicas may hold different values. Under
 property for a function traced with ``check_vma=False``, so that it can be asked of any
 code (optax wrappers, Flax NNX optimizers, third-party transforms) without that code
 having to type-check under ``check_vma=True`` first. The layout helpers use it to find
-which optimizer-state leaves are per replica (:func:`commjax.layout.infer_per_replica`).
+which optimizer-state leaves are per replica ([`commjax.layout.infer_per_replica`][]).
 
 The rules, for a value ``v`` with the set ``A(v)`` of axes it varies over:
 
@@ -162,7 +162,7 @@ def trace_varying(fn: Callable[..., Any], args: Sequence[Any], in_axes: Sequence
     for a wrong guess of its inputs' layout (a ``cond`` whose branches disagree, a guard
     that refuses a replicated gradient) traces all the same. A cast that code makes
     itself (``lax.pcast(x, to="varying")`` of a replicated value) leaves no trace there:
-    such *declared* per-replica fields come from :func:`commjax.layout.per_replica`.
+    such *declared* per-replica fields come from [`commjax.layout.per_replica`][].
     """
     flat, treedef = jax.tree_util.tree_flatten(tuple(args))
     flat_axes = _flat_axes(args, in_axes, len(flat))

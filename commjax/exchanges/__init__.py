@@ -2,9 +2,10 @@
 
 A compressor whose mean takes several collectives and state of its own (PowerSGD: two
 all-reduces of low-rank factors, the previous ``Q`` kept for the next step) is run by its
-:class:`Exchange`; :func:`exchange_for` finds it. :func:`commjax.compressed_mean` asks
+[`Exchange`][commjax.exchanges.Exchange]; [`exchange_for`][commjax.exchanges.exchange_for] finds it.
+[`commjax.compressed_mean`][] asks
 for one and, if there is none, reduces the codec's payload with a
-:class:`commjax.collectives._reducers.Reducer`.
+``commjax.collectives._reducers.Reducer``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The interface of an exchange (see :mod:`commjax.exchanges`)."""
+"""The interface of an exchange (see [`commjax.exchanges`][])."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ __all__ = ["Exchange"]
 class Exchange:
     """How a stateful compressor averages a bucket over a mesh axis.
 
-    The bucket is held as one padded flat part per :class:`Segment`; the state is
+    The bucket is held as one padded flat part per [`Segment`][commjax.exchanges.base.Segment]; the
+    state is
     replicated (identical on every replica) and lives in
     ``CompressedMeanState.compressor_state``.
     """
@@ -32,7 +33,7 @@ class Exchange:
         error feedback subtracts from this replica's input, ``finite`` whether the
         segment's mean is finite (identical on every replica; the transform flags the leaf
         and keeps its residual where it is not). ``axis_name=None``: one replica, no collective.
-        ``shared_key``: this step's key, ``init_key``: the key :meth:`init_state` was given,
+        ``shared_key``: this step's key, ``init_key``: the key ``init_state`` was given,
         both replica 0's (the same on every replica even if processes were seeded apart)."""
         raise NotImplementedError
 

@@ -1,7 +1,7 @@
 """PowerSGD's exchange: two fused all-reduces of low-rank factors per step.
 
 The maths (orthogonalization, shared random starts, the products) and the bytes live with
-the configuration in :mod:`commjax.compressors.powersgd`; this module runs one step over a
+the configuration in [`commjax.compressors.powersgd`][]; this module runs one step over a
 mesh axis (see that module's docstring for the algorithm and every phase's bytes):
 exact fp32 mean during the warm-up (``start_step``), then ``P = M_bar Q^`` and
 ``Q = M_bar^T P^`` (or one of them per step with ``alternating``), all ``P`` of a step
@@ -115,7 +115,7 @@ class _Step:
         small factors alone (replicated, so every replica decides the same): the all-reduced
         factors (``raw``: per group, ``[G, k, r]`` arrays) must be finite, since an overflow
         would otherwise be orthogonalized away into a silent zero, and so must the bound
-        of :func:`product_finite` on the product."""
+        of ``product_finite`` on the product."""
         mean, finite = [None] * len(self.segments), [None] * len(self.segments)
         for gi, (g, p, q) in enumerate(zip(self.groups, ps, qs)):
             for j, i in enumerate(g.members):
@@ -167,7 +167,7 @@ class _Step:
 
 
 class PowerSGDExchange(Exchange):
-    """Runs :class:`commjax.compressors.PowerSGD` (see the module docstring)."""
+    """Runs [`commjax.compressors.PowerSGD`][] (see the module docstring)."""
 
     def init_state(self, codec, segments, num_replicas, key):
         """Initial ``Q`` per group: i.i.d. unit-variance entries from ``key``, identical on
@@ -181,7 +181,7 @@ class PowerSGDExchange(Exchange):
         """Exact mean in the warm-up, then PowerSGD, leaf by leaf: each leaf's matrix is a
         view of its own part, and its ``M_hat`` is returned as its own array. Returns
         ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase (error feedback keeps
-        ``x - M_hat``; ``finite`` per segment from the factors, see :meth:`_Step.finish`)
+        ``x - M_hat``; ``finite`` per segment from the factors, see ``_Step.finish``)
         and ``(mean, x, state, finite)`` in the warm-up (no residual builds up; ``finite``
         read from the mean)."""
         step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key, init_key)

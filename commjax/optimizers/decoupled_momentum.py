@@ -31,8 +31,9 @@ all 1-D chunks), so the compiled step does not grow with the number of leaves.
 Bytes per device and step: one all-gather of ``W`` uint32 words per replica,
 ``W = sum_groups ceil(L / 2) + L`` (fp32 values) or ``2 ceil(L / 2)`` (bf16 values), with
 ``L = chunks * k`` the coefficients of a group (all tiles; all 1-D chunks):
-``(N - 1) * 4 W`` (:func:`commjax.communication_plan`). Nothing else is communicated;
-a NaN/Inf flag rides in the payload (see :func:`decoupled_momentum`).
+``(N - 1) * 4 W`` ([`commjax.communication_plan`][]). Nothing else is communicated;
+a NaN/Inf flag rides in the payload (see
+[`decoupled_momentum`][commjax.optimizers.decoupled_momentum.decoupled_momentum]).
 
 Reference: B. Peng, J. Quesnelle, D. P. Kingma, "DeMo: Decoupled Momentum Optimization",
 arXiv:2411.19870, 2024.
@@ -81,7 +82,7 @@ def dct_matrix(size: int) -> np.ndarray:
 
 @per_replica("momentum")
 class DecoupledMomentumState(NamedTuple):
-    """State of :func:`decoupled_momentum`.
+    """State of [`decoupled_momentum`][commjax.optimizers.decoupled_momentum.decoupled_momentum].
 
     Attributes:
       count: int32 scalar, replicated: steps done (drives a learning-rate schedule).
@@ -201,7 +202,7 @@ def _to_chunks(flat: jax.Array, it: _Leaf, c: int) -> jax.Array:
 
 
 def _from_chunks(chunks: jax.Array, it: _Leaf, c: int) -> jax.Array:
-    """Inverse of :func:`_to_chunks`: the leaf's flat entries, padding dropped."""
+    """Inverse of ``_to_chunks``: the leaf's flat entries, padding dropped."""
     if not it.tiled:
         return chunks.reshape(-1)[:it.size]
     rows, cols = it.size // it.shape[-1], it.shape[-1]
@@ -220,7 +221,7 @@ def _dct(chunks: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _idct(coeff: jax.Array, tiled: bool, b: jax.Array) -> jax.Array:
-    """Inverse of :func:`_dct` on ``[t, elems]`` (``B^T C B`` per tile, ``B^T C`` per chunk)."""
+    """Inverse of ``_dct`` on ``[t, elems]`` (``B^T C B`` per tile, ``B^T C`` per chunk)."""
     c = b.shape[0]
     if tiled:
         return jnp.einsum("ji,tjk,kl->til", b, coeff.reshape(-1, c, c), b, precision=_HIGHEST)
@@ -239,7 +240,7 @@ def _pairs(x: jax.Array) -> jax.Array:
 
 
 def _unpairs(words: jax.Array, count: int) -> jax.Array:
-    """Inverse of :func:`_pairs` on ``[N, w]`` words: uint32 ``[N, count]``."""
+    """Inverse of ``_pairs`` on ``[N, w]`` words: uint32 ``[N, count]``."""
     halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1)
     return halves.reshape(words.shape[0], -1)[:, :count]
 
@@ -441,7 +442,7 @@ def decoupled_momentum(
 
     Bytes per device and step: ``(N - 1) * 4 W`` for one all-gather of ``W`` uint32 words
     (per leaf: ``chunks * top_k`` indices as uint16, two per word, and as many fp32 or
-    bf16 values); :func:`commjax.communication_plan` computes it. With the defaults a
+    bf16 values); [`commjax.communication_plan`][] computes it. With the defaults a
     full 64 x 64 tile sends 192 of its 16384 bytes (85x less than fp32).
 
     Non-finite values: a replica whose momentum is not finite sends NaN values; every
@@ -463,8 +464,10 @@ def decoupled_momentum(
         wire (the rounding error stays in the momentum).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DecoupledMomentumState`; lay the
-      state out with :func:`commjax.init_sharded` or :func:`commjax.shard_state`.
+      An ``optax.GradientTransformation`` with
+      [`DecoupledMomentumState`][commjax.optimizers.decoupled_momentum.DecoupledMomentumState]; lay
+      the
+      state out with [`commjax.init_sharded`][] or [`commjax.shard_state`][].
 
     Raises:
       ValueError: an option out of range (named in the message); ``top_k`` larger than
@@ -483,8 +486,9 @@ def decoupled_momentum(
 
 
 def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
-    """What one :func:`decoupled_momentum` step sends per device (its
-    :func:`commjax.communication_plan`): ``(N - 1) * 4 W`` for the all-gather of the ``W``
+    """What one [`decoupled_momentum`][commjax.optimizers.decoupled_momentum.decoupled_momentum]
+    step sends per device (its
+    [`commjax.communication_plan`][]): ``(N - 1) * 4 W`` for the all-gather of the ``W``
     uint32 words of one replica's payload."""
     validation.check_positive_int("num_replicas", num_replicas, factory="communication_plan")
     leaves = jax.tree_util.tree_leaves(params)

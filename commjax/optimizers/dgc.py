@@ -12,7 +12,7 @@ momentum ``m``, density ``rho_t`` and learning rate ``eta_t``::
     update = -eta_t G
 
 With ``nesterov=True``: ``u <- m (u + g)``, ``v <- v + u + g``. Small, 1-D and otherwise
-uncompressed leaves (see :mod:`commjax.plan`) are averaged exactly in one fp32 all-reduce
+uncompressed leaves (see [`commjax.plan`][]) are averaged exactly in one fp32 all-reduce
 and get ordinary momentum SGD with a replicated buffer (``u <- m u + mean(g)``).
 
 The density warms up exponentially (Section 3.4 of the paper): with the default
@@ -53,13 +53,13 @@ METRIC_NAMES = ("density", "ratio", "residual_norm", "nonfinite")
 
 @per_replica("momentum", "accumulation", "metrics")
 class DGCState(NamedTuple):
-    """State of :func:`dgc`.
+    """State of [`dgc`][commjax.optimizers.dgc.dgc].
 
     Attributes:
       count: int32 scalar, replicated: steps done (drives the learning-rate schedule and
         the density warm-up).
       momentum: per-replica ``float32[n]``: the local momentum ``u`` of the compressed
-        bucket (leaves flattened and concatenated as in :mod:`commjax.plan`).
+        bucket (leaves flattened and concatenated as in [`commjax.plan`][]).
       accumulation: per-replica ``float32[n]``: the local accumulation ``v`` (what has
         not been sent yet).
       dense_momentum: replicated ``float32[m]``: momentum of the exactly averaged leaves.
@@ -302,7 +302,7 @@ def dgc(
     Bytes per device and step (``N`` replicas, ``K`` entries kept per replica, ``E``
     exact elements): ``(N - 1) * 8 K`` (fp32 values, uint32 indices) plus
     ``2 (N - 1)/N * 4 (E + 1)`` for the exact all-reduce (one float is the NaN flag); see
-    :func:`commjax.communication_plan`. During warm-up ``K`` follows the stage's density.
+    [`commjax.communication_plan`][]. During warm-up ``K`` follows the stage's density.
 
     Non-finite gradients: if any replica's gradient has a NaN/Inf, the update is NaN on
     every replica and ``u``, ``v`` and the dense momentum keep their previous values.
@@ -322,13 +322,14 @@ def dgc(
       nesterov: Nesterov momentum correction (``u <- m (u + g)``, ``v <- v + u + g``).
       weight_decay: L2 term ``wd * w`` added to the local gradient (needs ``params``).
       approximate, scope, values_dtype, chunk_size: options of the top-k codec, see
-        :func:`commjax.compressors.sparse.top_k`.
+        [`commjax.compressors.sparse.top_k`][].
       min_compress_size, compress_vectors: which leaves are sparsified, as in
-        :func:`commjax.compressed_mean`.
+        [`commjax.compressed_mean`][].
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`DGCState`. Lay it out
-      for ``shard_map`` with :func:`commjax.shard_state` / :func:`commjax.state_specs`.
+      An ``optax.GradientTransformation`` whose state is a
+      [`DGCState`][commjax.optimizers.dgc.DGCState]. Lay it out
+      for ``shard_map`` with [`commjax.shard_state`][] / [`commjax.state_specs`][].
     """
     f = "dgc"
     ratio = validation.check_ratio("ratio", ratio, factory=f)
@@ -367,7 +368,8 @@ def dgc(
 
 
 def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
-    """What one :func:`dgc` step sends per device (its :func:`commjax.communication_plan`):
+    """What one [`dgc`][commjax.optimizers.dgc.dgc] step sends per device (its
+    [`commjax.communication_plan`][]):
     the exact leaves and one NaN/Inf flag in one fp32 all-reduce, the compressed leaves'
     top-k payloads in one all-gather at the final density; each warm-up density's
     all-gather sits in its own branch of the compiled step."""

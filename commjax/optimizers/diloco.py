@@ -12,7 +12,7 @@ restarts from them. With ``theta`` the shared parameters of the round (the *anch
 
 Communication: nothing on inner steps; one mean of a parameter-sized vector on every
 ``H``-th step (an fp32 all-reduce, ``2 (N-1)/N * 4 n`` bytes per device, or the bytes of the
-chosen compressor through :func:`commjax.compressed_mean`). The whole round is one
+chosen compressor through [`commjax.compressed_mean`][]). The whole round is one
 compiled step function: the exchange sits in one branch of a ``lax.cond`` that only the
 sync steps take.
 
@@ -44,7 +44,7 @@ __all__ = ["DiLoCoState", "diloco", "landing_update"]
 
 @per_replica("inner_state")
 class DiLoCoState(NamedTuple):
-    """State of :func:`diloco`.
+    """State of [`diloco`][commjax.optimizers.diloco.diloco].
 
     Attributes:
       count: int32 scalar, replicated: inner steps taken.
@@ -55,16 +55,16 @@ class DiLoCoState(NamedTuple):
         leading axis of length 1 (local shape ``[1, *shape]``; global ``[N, *shape]``
         under ``shard_map`` with ``P(axis_name)``), whatever the leaf's own shape (the
         inner optimizer's step counters are scalars).
-      exchange: the :class:`commjax.CompressedMeanState` of the pseudo-gradient exchange
+      exchange: the [`commjax.CompressedMeanState`][] of the pseudo-gradient exchange
         when a ``compressor`` is given (its residuals are per replica), else ``()``.
-      inner_exchange: with ``inner_compressor``, the :class:`commjax.CompressedMeanState`
+      inner_exchange: with ``inner_compressor``, the [`commjax.CompressedMeanState`][]
         of the gradient mean over ``inner_axis_name``, its residuals **per device** (lay
-        them out over both axes, as :func:`commjax.streaming_diloco` shows); else ``()``.
+        them out over both axes, as [`commjax.streaming_diloco`][] shows); else ``()``.
 
     Parameters are per replica in DiLoCo (they differ between syncs), so the training
     loop keeps them with a leading replica axis and ``P(axis_name)`` specs, as
-    :func:`commjax.testing.train` does; lay the state out with
-    :func:`commjax.shard_state` and :func:`commjax.state_specs`.
+    [`commjax.testing.train`][] does; lay the state out with
+    [`commjax.shard_state`][] and [`commjax.state_specs`][].
     """
 
     count: jax.Array
@@ -147,7 +147,7 @@ def _group_mean(updates: Any, inner_axis_name: Any, where: str) -> Any:
 
 
 def _group(cfg: Any, updates: Any, inner_exchange: Any, where: str) -> tuple[Any, Any]:
-    """The gradients' mean over ``cfg.inner_axis_name``: exact (:func:`_group_mean`), or
+    """The gradients' mean over ``cfg.inner_axis_name``: exact (``_group_mean``), or
     through ``cfg.inner_tx`` (identical on every device of the group; its residuals stay
     per device). Returns (mean, new inner exchange state)."""
     if cfg.inner_tx is None:
@@ -283,7 +283,8 @@ def diloco(
         return landing_update(p, theta)        # p + u == theta (see below)
 
     The returned update at a sync step is computed as ``theta - p``
-    (:func:`landing_update`), not as the outer step plus the local drift, so that after
+    ([`landing_update`][commjax.optimizers.diloco.landing_update]), not as the outer step plus the
+    local drift, so that after
     applying it every replica holds ``theta``: bit-identical wherever ``theta - p`` is
     exactly representable, which covers every entry that moved by at most its own
     magnitude in the round (and most others). An entry that moved by more (across zero,
@@ -306,7 +307,7 @@ def diloco(
     Bytes per device: 0 on inner steps; on sync steps ``2 (N-1)/N * 4 n`` (exact fp32
     mean of the ``n`` parameters) or, with ``compressor``, the bytes of
     ``cj.compressed_mean(compressor)`` for parameter-shaped inputs
-    (:func:`commjax.communication_plan`), i.e. ``H`` times less per step on average.
+    ([`commjax.communication_plan`][]), i.e. ``H`` times less per step on average.
 
     Args:
       inner: the local optimizer (e.g. ``optax.adamw(1e-3)``); must not communicate.
@@ -316,10 +317,10 @@ def diloco(
       sync_every: inner steps per round, an integer ``>= 1``.
       axis_name: mesh axis (or tuple) of the replicas; ``None`` for one replica.
       compressor: ``None`` for the exact fp32 mean, or a commjax compressor (e.g.
-        ``cj.quantize(bits=4)``) for :func:`commjax.compressed_mean` on the pseudo-gradient.
+        ``cj.quantize(bits=4)``) for [`commjax.compressed_mean`][] on the pseudo-gradient.
       error_feedback: error feedback of the compressed exchange (default True).
       num_replicas: replicas the compressed exchange's state is sized for when ``init``
-        runs outside ``shard_map`` (see :func:`commjax.compressed_mean`).
+        runs outside ``shard_map`` (see [`commjax.compressed_mean`][]).
       seed: seed of the compressed exchange's stochastic rounding.
       inner_axis_name: optional fast mesh axis of data-parallel groups inside each
         worker: the gradients are averaged exactly over it every step (one fp32
@@ -330,12 +331,13 @@ def diloco(
         are averaged over ``inner_axis_name`` by ``cj.compressed_mean(inner_compressor,
         inner_axis_name)`` (rounding seed ``seed + 1``), identical on every device of the
         group, its residuals per device in ``state.inner_exchange`` (lay that field out
-        over both axes, as :func:`commjax.streaming_diloco` shows). Needs ``inner_axis_name``.
+        over both axes, as [`commjax.streaming_diloco`][] shows). Needs ``inner_axis_name``.
       inner_replicas: devices per group the inner exchange's state is sized for when
         ``init`` runs outside ``shard_map``.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DiLoCoState`.
+      An ``optax.GradientTransformation`` with
+      [`DiLoCoState`][commjax.optimizers.diloco.DiLoCoState].
 
     Raises:
       ValueError: bad options (named in the message); ``params`` missing or replicated
@@ -384,7 +386,8 @@ def group_transfers(cfg: Any, params: Any, inner_replicas: int) -> list[Transfer
 
 
 def _plan(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1) -> CommunicationPlan:
-    """What :func:`diloco` sends per device (its :func:`commjax.communication_plan`): the
+    """What [`diloco`][commjax.optimizers.diloco.diloco] sends per device (its
+    [`commjax.communication_plan`][]): the
     mean pseudo-gradient (exact fp32, or the compressor's plan) once every ``sync_every``
     steps, and the gradient mean over the inner axis every step."""
     deltas = _f32(params)

@@ -11,7 +11,7 @@ ordinary Adam (or LAMB) step::
 
 **Compression** (``t >= T``): the second moment ``v`` is frozen; every replica advances
 the shared momentum with its *own* gradient and the momenta are averaged through the
-two-phase reducer with the 1-bit :func:`commjax.sign` codec, with error feedback on both
+two-phase reducer with the 1-bit [`commjax.sign`][] codec, with error feedback on both
 sides (worker residual ``e_i``, server residual ``s_j`` of the chunk replica ``j`` owns)::
 
     m_i = b1 m + (1 - b1) g_i                        # local, no communication
@@ -21,7 +21,8 @@ sides (worker residual ``e_i``, server residual ``s_j`` of the chunk replica ``j
 ``C`` is the scaled sign (one bit per element plus one fp32 scale per block of
 ``block_size`` elements; blocks never span two leaves). The result ``m`` is identical on
 every replica; the update is ``-lr * m_hat / (sqrt(v_frozen_hat) + eps)`` (1-bit Adam)
-or the trust-ratio-scaled LAMB update (1-bit LAMB, see :func:`onebit_lamb`).
+or the trust-ratio-scaled LAMB update (1-bit LAMB, see
+[`onebit_lamb`][commjax.optimizers.onebit.onebit_lamb]).
 
 Numerical safety after the freeze
 ---------------------------------
@@ -43,7 +44,7 @@ Bytes per step and device (``n`` floats compressed, ``N`` replicas, ring convent
 warm-up ``2 (N-1)/N * 4 n`` (the exact mean); compression
 ``2 (N-1)/N * n (1 + 32 / block_size) / 8`` plus a small fp32 all-reduce of the leaves
 too small to compress (biases, norms); a non-finite block is told by the gathered scale
-words, so no NaN flags travel (:attr:`commjax.plan.MeanPlan.finite_flags`). At the
+words, so no NaN flags travel (``commjax.plan.MeanPlan.finite_flags``). At the
 default ``block_size=256`` that is 28.4x less than the exact mean for the compressed
 leaves. With ``0 < warmup_steps`` both stages are compiled into one program behind a
 ``lax.cond``; only the branch of the current stage runs its collectives.
@@ -87,15 +88,16 @@ __all__ = [
 
 
 class OneBitAdamState(NamedTuple):
-    """State of :func:`scale_by_onebit_adam` (the first element of :func:`onebit_adam`'s).
+    """State of ``scale_by_onebit_adam`` (the first element of
+    [`onebit_adam`][commjax.optimizers.onebit.onebit_adam]'s).
 
     Attributes:
       count: int32 scalar, replicated: steps taken (rejected non-finite steps excluded).
       mu: pytree like the parameters, float32, replicated: the momentum ``m``.
       nu: pytree like the parameters, float32, replicated: the second moment ``v``,
         frozen from step ``warmup_steps`` on.
-      exchange: the :class:`commjax.CompressedMeanState` of the 1-bit momentum exchange
-        (its worker and server residuals are per replica; :func:`commjax.state_specs`
+      exchange: the [`commjax.CompressedMeanState`][] of the 1-bit momentum exchange
+        (its worker and server residuals are per replica; [`commjax.state_specs`][]
         lays them out).
     """
 
@@ -106,10 +108,11 @@ class OneBitAdamState(NamedTuple):
 
 
 class OneBitLambState(NamedTuple):
-    """State of :func:`scale_by_onebit_lamb` (the first element of :func:`onebit_lamb`'s).
+    """State of ``scale_by_onebit_lamb`` (the first element of
+    [`onebit_lamb`][commjax.optimizers.onebit.onebit_lamb]'s).
 
     Attributes:
-      count, mu, nu, exchange: as in :class:`OneBitAdamState`.
+      count, mu, nu, exchange: as in [`OneBitAdamState`][commjax.optimizers.onebit.OneBitAdamState].
       nu_fresh: pytree like the parameters, float32, replicated: the second moment of
         the gradients reconstructed from consecutive compressed momenta (compression
         stage; equal to ``nu`` at the end of warm-up).
@@ -192,8 +195,9 @@ def _exchange_tx(cfg: _Config) -> optax.GradientTransformation:
 
 
 def _plan(cfg: _Config, lamb: Optional[_LambConfig], params: Any, num_replicas: int) -> CommunicationPlan:
-    """What :func:`onebit_adam` (``lamb`` None) or :func:`onebit_lamb` sends per device (its
-    :func:`commjax.communication_plan`): after warm-up, the 1-bit momentum exchange every
+    """What [`onebit_adam`][commjax.optimizers.onebit.onebit_adam] (``lamb`` None) or
+    [`onebit_lamb`][commjax.optimizers.onebit.onebit_lamb] sends per device (its
+    [`commjax.communication_plan`][]): after warm-up, the 1-bit momentum exchange every
     step (and LAMB's per-leaf factors with weight decay); during warm-up, the exact mean of
     the gradients (and LAMB's per-leaf trust ratios), in the other branch of the step."""
     leaves = jax.tree_util.tree_leaves(params)
@@ -364,7 +368,7 @@ def onebit_adam(
     1-bit compressed momentum exchange with worker and server error feedback.
 
     A complete optimizer: hand it the *per-replica* gradients inside ``shard_map``/``pmap``
-    (no :func:`commjax.compressed_mean` before it); the returned updates are identical on
+    (no [`commjax.compressed_mean`][] before it); the returned updates are identical on
     every replica. Step ``t`` (0-based, ``T = warmup_steps``, ``lr = learning_rate(t)``)::
 
         t <  T:  g = mean_i g_i (fp32 all-reduce)
@@ -399,15 +403,16 @@ def onebit_adam(
       weight_decay: decoupled weight decay (needs ``params`` in ``update``).
       bias_correction: Adam's bias corrections (default True, as ``optax.adam``).
       min_compress_size, compress_vectors: which leaves are compressed (see
-        :func:`commjax.compressed_mean`); the others are averaged exactly.
+        [`commjax.compressed_mean`][]); the others are averaged exactly.
       num_replicas: replicas the state is sized for when ``init`` runs outside
         ``shard_map`` (default: the axis size if bound, else ``jax.device_count()``).
 
     Returns:
-      ``optax.chain`` of the 1-bit Adam scaling (state :class:`OneBitAdamState`),
+      ``optax.chain`` of the 1-bit Adam scaling (state
+      [`OneBitAdamState`][commjax.optimizers.onebit.OneBitAdamState]),
       ``optax.add_decayed_weights`` (if ``weight_decay``) and
-      ``optax.scale_by_learning_rate``; lay the state out with :func:`commjax.shard_state`
-      / :func:`commjax.state_specs` (residuals are per-replica, everything else
+      ``optax.scale_by_learning_rate``; lay the state out with [`commjax.shard_state`][]
+      / [`commjax.state_specs`][] (residuals are per-replica, everything else
       replicated). A schedule's own step counter (optax's) advances on every call, a
       rejected non-finite step included.
 
@@ -441,7 +446,8 @@ class _LambConfig:
 
 
 class _LambStep:
-    """One 1-bit LAMB step: the pieces both stages share (see :func:`onebit_lamb`)."""
+    """One 1-bit LAMB step: the pieces both stages share (see
+    [`onebit_lamb`][commjax.optimizers.onebit.onebit_lamb])."""
 
     def __init__(self, lc: _LambConfig, state: OneBitLambState, w: list):
         cfg = self.cfg = lc.base
@@ -599,7 +605,8 @@ def onebit_lamb(
     num_replicas: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """1-bit LAMB: exact LAMB during warm-up, then the 1-bit momentum exchange of
-    :func:`onebit_adam` with each layer's (leaf's) trust ratio frozen from warm-up.
+    [`onebit_adam`][commjax.optimizers.onebit.onebit_adam] with each layer's (leaf's) trust ratio
+    frozen from warm-up.
 
     Per leaf ``w`` (``T = warmup_steps``, ``lr = learning_rate(t)``, ``m_hat``/``v_hat`` the
     bias-corrected moments, ``clip_c`` clipping to ``[min_coeff, max_coeff]``)::
@@ -621,7 +628,8 @@ def onebit_lamb(
             f = clip(f, f_prev (1 - factor_threshold), f_prev (1 + factor_threshold))
             update = -lr c_frozen f u
 
-    ``guarded`` is the same floor/clip as in :func:`onebit_adam`. The scaling factor ``f``
+    ``guarded`` is the same floor/clip as in [`onebit_adam`][commjax.optimizers.onebit.onebit_adam].
+    The scaling factor ``f``
     lets the frozen ratio follow the change of the gradient variance since the freeze,
     by at most ``factor_threshold`` per step, within ``[factor_min, factor_max]``; ``v``
     itself stays frozen (it is the preconditioner, as in 1-bit Adam). ``v_frozen_hat`` in
@@ -631,15 +639,17 @@ def onebit_lamb(
     ``block_size`` entries (never spanning two leaves) has its own scale, so no
     rescaling is needed.
 
-    Bytes per step: as :func:`onebit_adam`, plus an all-reduce of one float per leaf (the
+    Bytes per step: as [`onebit_adam`][commjax.optimizers.onebit.onebit_adam], plus an all-reduce of
+    one float per leaf (the
     trust ratios, averaged over replicas so that they are replicated even when the
     parameters are kept per replica) during warm-up, and after it if ``weight_decay > 0``.
-    Differences from :func:`onebit_adam`:
+    Differences from [`onebit_adam`][commjax.optimizers.onebit.onebit_adam]:
     ``warmup_steps >= 1`` (the trust ratio is estimated during warm-up), ``params`` are
     required in ``update``, and ``eps`` defaults to ``1e-6`` as in LAMB.
 
     Args:
-      learning_rate: as in :func:`onebit_adam`, and so are ``b1``, ``b2``, ``eps``,
+      learning_rate: as in [`onebit_adam`][commjax.optimizers.onebit.onebit_adam], and so are
+        ``b1``, ``b2``, ``eps``,
         ``warmup_steps``, ``axis_name``, ``block_size``, ``var_floor``,
         ``max_update_ratio``, ``bias_correction``, ``min_compress_size``,
         ``compress_vectors`` and ``num_replicas``.
@@ -651,7 +661,8 @@ def onebit_lamb(
       factor_threshold: largest relative change of the factor from one step to the next.
 
     Returns:
-      ``optax.chain`` of the 1-bit LAMB scaling (state :class:`OneBitLambState`; weight
+      ``optax.chain`` of the 1-bit LAMB scaling (state
+      [`OneBitLambState`][commjax.optimizers.onebit.OneBitLambState]; weight
       decay is inside it, before the trust ratio) and ``optax.scale_by_learning_rate``.
     """
     cfg = _make_config(

@@ -1,7 +1,8 @@
 """Streaming DiLoCo: DiLoCo whose parameters are synced in fragments at staggered steps.
 
 The parameters are split into ``P`` static *fragments* of about equal bytes on the wire
-(:func:`fragment_leaves`): slices of the leaves laid end to end, cut inside the largest
+([`fragment_leaves`][commjax.optimizers.streaming_diloco.fragment_leaves]): slices of the leaves
+laid end to end, cut inside the largest
 leaves (along rows where the cut allows), each leaf whole where no cut falls in it.
 Every replica trains locally with the inner optimizer; fragment ``f`` is synced once
 every ``H = sync_every`` steps, at its own step, the ``P`` fragments spread evenly over
@@ -20,13 +21,13 @@ error feedback) exchange.
 
 Communication per device: 0 on most steps; on a fragment's send step the exact fp32
 mean of that fragment (``2 (N-1)/N * 4 n_f`` bytes, ``n_f <= ceil(n/P)``: at most ``1/P``
-of a DiLoCo sync, plus one element) or the bytes of :func:`commjax.compressed_mean` with
+of a DiLoCo sync, plus one element) or the bytes of [`commjax.compressed_mean`][] with
 the chosen compressor on the fragment's pieces (``1/P`` of a sync up to the reducer's
 granule of ``block * N`` elements, and one fp32 NaN flag per cut piece for a codec whose
 payloads cannot tell a non-finite block). The average per inner step is a DiLoCo sync
-divided by ``H``, as in DiLoCo (:func:`commjax.communication_plan`).
+divided by ``H``, as in DiLoCo ([`commjax.communication_plan`][]).
 
-With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is :func:`commjax.diloco`, bit for bit.
+With ``P = 1``, ``tau = 0``, ``alpha = 0`` it is [`commjax.diloco`][], bit for bit.
 
 References: Douillard et al., 2025, "Streaming DiLoCo with overlapping communication:
 Towards a Distributed Free Lunch" (arXiv:2501.18512); Douillard et al., 2023, "DiLoCo:
@@ -66,25 +67,26 @@ _NAME = "streaming_diloco"
 
 @per_replica("inner_state")
 class StreamingDiLoCoState(NamedTuple):
-    """State of :func:`streaming_diloco`.
+    """State of [`streaming_diloco`][commjax.optimizers.streaming_diloco.streaming_diloco].
 
     Attributes:
       count: int32 scalar, replicated: inner steps taken.
       anchor: pytree like the parameters, replicated: each fragment's shared parameters
         as of that fragment's last merge.
       outer_state: tuple of ``P`` outer-optimizer states (fragment ``f``'s over the list
-        of its pieces, each in :attr:`Piece.shape`), replicated.
+        of its pieces, each in ``Piece.shape``), replicated.
       inner_state: the inner optimizer's state, **per replica** (leading axis of length 1
-        on every leaf, as in :class:`commjax.optimizers.DiLoCoState`).
-      exchange: tuple of ``P`` :class:`commjax.CompressedMeanState` (residuals per
+        on every leaf, as in [`commjax.optimizers.DiLoCoState`][]).
+      exchange: tuple of ``P`` [`commjax.CompressedMeanState`][] (residuals per
         replica) when a ``compressor`` is given, else ``()``.
       pending: with ``overlap > 0``, tuple of ``P`` lists of fp32 arrays (one per piece of
         the fragment, in its shape): the mean pseudo-gradient received at the fragment's last
         send, merged ``overlap`` steps later; replicated. ``()`` when ``overlap == 0``.
-      inner_exchange: with ``inner_compressor``, the :class:`commjax.CompressedMeanState`
+      inner_exchange: with ``inner_compressor``, the [`commjax.CompressedMeanState`][]
         of the gradient mean over ``inner_axis_name``; its residuals are **per device**
         (they differ across the fast axis too: lay them out over both axes, see
-        :func:`streaming_diloco`). ``()`` without one.
+        [`streaming_diloco`][commjax.optimizers.streaming_diloco.streaming_diloco]). ``()`` without
+        one.
     """
 
     count: jax.Array
@@ -170,14 +172,15 @@ def _compressed_bounds(padded_total: int, fragments: int, compressor: Compressor
 
 def fragment_leaves(params: Any, fragments: int, compressor: Optional[Compressor] = None,
                     num_replicas: int = 1) -> tuple[tuple[Piece, ...], ...]:
-    """Split the parameters into ``fragments`` static groups of :class:`Piece` s of about
+    """Split the parameters into ``fragments`` static groups of
+    [`Piece`][commjax.optimizers.streaming_diloco.Piece] s of about
     equal bytes on the wire (``P = fragments``, ``N = num_replicas``).
 
     The leaves (``jax.tree_util.tree_leaves`` order) are laid end to end from the largest
     down (ties in leaf order) and the line is cut into ``P`` ranges. Exact mean
     (``compressor=None``): fragment ``f`` takes elements ``[f T // P, (f+1) T // P)``, so
     every fragment holds ``floor(T/P)`` or ``ceil(T/P)`` of the ``T`` elements. With a
-    ``compressor``, the leaves that :func:`commjax.compressed_mean` compresses form one
+    ``compressor``, the leaves that [`commjax.compressed_mean`][] compresses form one
     line (each padded to the codec's block), cut at whole granules of ``block * N``
     elements (the two-phase reducer pads each exchange to one), so the fragments' payloads
     add up to the full sync's; the leaves it sends exactly (under 1024 elements, vectors)
@@ -385,7 +388,7 @@ def _update(cfg: _Config, updates, state: StreamingDiLoCoState, params, step: Op
 
 def _layout_replicas(cfg: _Config) -> int:
     """``N`` the compressed fragments are cut for at ``init``: the bound axis's size, else
-    ``num_replicas``, else every device (as :func:`commjax.compressed_mean` sizes its state)."""
+    ``num_replicas``, else every device (as [`commjax.compressed_mean`][] sizes its state)."""
     if cfg.compressor is None or cfg.axis_name is None:
         return 1
     if _compat.axis_is_bound(cfg.axis_name):
@@ -411,7 +414,8 @@ def _init(cfg: _Config, params) -> StreamingDiLoCoState:
 
 
 def _plan(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1) -> CommunicationPlan:
-    """What :func:`streaming_diloco` sends per device (its :func:`commjax.communication_plan`):
+    """What [`streaming_diloco`][commjax.optimizers.streaming_diloco.streaming_diloco] sends per
+    device (its [`commjax.communication_plan`][]):
     each fragment's mean pseudo-gradient (exact fp32 of its pieces, or its exchange's plan)
     once every ``sync_every`` steps, at its own step, and the gradient mean over the inner
     axis every step. ``peak_bytes`` is the largest fragment's sync (with the group mean)."""
@@ -482,9 +486,9 @@ def streaming_diloco(
 
     ``update(grads, state, params)`` takes this replica's gradient and parameters (inside
     ``shard_map``/``pmap`` over ``axis_name``, parameters kept per replica as for
-    :func:`commjax.diloco`). Step ``t`` (0-based; ``H = sync_every``, ``P = fragments``,
+    [`commjax.diloco`][]). Step ``t`` (0-based; ``H = sync_every``, ``P = fragments``,
     ``tau = overlap``, ``alpha = mix``; fragment ``f``'s pieces from
-    :func:`fragment_leaves`)::
+    [`fragment_leaves`][commjax.optimizers.streaming_diloco.fragment_leaves])::
 
         g = mean over inner_axis_name of g_i        # exact fp32, every step (if given)
         u_in = inner.update(g, p);  p' = p + u_in
@@ -498,7 +502,7 @@ def streaming_diloco(
     before it. The step counter is traced: a ``lax.switch`` over ``P + 1`` branches picks
     the fragment, and only branch ``f`` holds a collective, of fragment ``f``'s pieces.
     At a merge each replica lands on the new shared parameters (with ``alpha = 0``) as in
-    :func:`commjax.diloco` (exactly where the move is representable, else within half an
+    [`commjax.diloco`][] (exactly where the move is representable, else within half an
     ulp of each term); anchors are bit-identical on every replica.
 
     Overlap: ``tau > 0`` reproduces the paper's *schedule* (the mean computed at ``t``
@@ -518,7 +522,7 @@ def streaming_diloco(
     on every replica at that fragment's merge, and keeps the fragment's anchor, outer
     state and exchange residuals. The counter always advances.
 
-    Bytes per device (:func:`commjax.communication_plan`): on fragment ``f``'s send step the
+    Bytes per device ([`commjax.communication_plan`][]): on fragment ``f``'s send step the
     exact mean of its ``n_f <= ceil(n/P)`` elements, ``2 (N-1)/N * 4 n_f``, or the
     compressor's bytes for its pieces; 0 on other steps; a peak of ``1/P`` of a DiLoCo sync
     (exact; compressed up to the granule of ``block * N`` elements, and a NaN flag per
@@ -549,7 +553,7 @@ def streaming_diloco(
       overlap: ``tau``, steps between a fragment's send and its merge, ``0 <= tau < H``.
       mix: ``alpha`` in ``[0, 1]``, the weight of the replica's own parameters at a merge.
       compressor: ``None`` (exact fp32 mean) or a commjax compressor for
-        :func:`commjax.compressed_mean` on each fragment's pseudo-gradient (error
+        [`commjax.compressed_mean`][] on each fragment's pseudo-gradient (error
         feedback per fragment; fragment ``f`` uses ``seed + f``).
       axis_name: mesh axis (or tuple) of the workers; ``None`` for one worker.
       inner_axis_name: optional fast mesh axis of data-parallel groups inside each worker:
@@ -557,7 +561,7 @@ def streaming_diloco(
         step, and the sync runs over ``axis_name`` only. Parameters and state are then
         identical across this axis (lay the state out with ``cj.state_specs(state,
         axis_name)``; the inner exchange's residuals over both axes).
-      error_feedback, num_replicas, seed: as in :func:`commjax.diloco`.
+      error_feedback, num_replicas, seed: as in [`commjax.diloco`][].
       inner_compressor: ``None`` (exact group mean) or a commjax compressor: the gradients
         are averaged over ``inner_axis_name`` every step by
         ``cj.compressed_mean(inner_compressor, inner_axis_name)`` (error feedback as
@@ -568,7 +572,8 @@ def streaming_diloco(
         ``init`` runs outside ``shard_map`` (default: every device).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`.
+      An ``optax.GradientTransformation`` with
+      [`StreamingDiLoCoState`][commjax.optimizers.streaming_diloco.StreamingDiLoCoState].
 
     Raises:
       ValueError: bad options (named in the message, with the fix); at ``init``/``update``

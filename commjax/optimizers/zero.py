@@ -19,7 +19,7 @@ With ``weight_delta=False`` the master shard itself is sent (``D = concat_r C_w(
 plain 4-bit weights drift; ``benchmarks/sharded.py`` measures it).
 
 Layout: each floating leaf of ``n`` elements is flattened and padded with zeros to
-``N * s`` (:func:`commjax.fsdp.shard_size`: ``s`` a multiple of the codecs' block ``A``);
+``N * s`` ([`commjax.fsdp.shard_size`][]: ``s`` a multiple of the codecs' block ``A``);
 replica ``r`` owns elements ``[r s, (r + 1) s)``. Leaves smaller than
 ``max(min_compress_size, N * A)`` (biases, norms, scalars) are padded to a multiple of
 ``N`` only and travel exactly (fp32), joined in one collective per direction.
@@ -33,7 +33,7 @@ elements, ``S_c`` the compressed leaves' shard sizes, ``S_e`` the exact ones')::
 (the ``+ 1`` is the shared non-finite flag; without codecs every leaf is in the exact
 terms). Exact fp32 ZeRO sends ``2 (N-1)/N * 4 n``, an fp32 all-reduce's bytes;
 ``cj.quantize(bits=4)`` on both sides about ``4.125 / 32`` of it.
-:func:`commjax.communication_plan` gives the count for a parameter tree, equal to the
+[`commjax.communication_plan`][] gives the count for a parameter tree, equal to the
 compiled HLO's.
 
 Two levels (``inner_axis_name``, a fast axis inside the slow ``axis_name``): the
@@ -73,7 +73,7 @@ COMPRESS, EXACT, PASS = "compress", "exact", "pass"
 
 @per_replica("master", "inner_state", "residual", "metrics")
 class ZeroState(NamedTuple):
-    """State of :func:`zero` (arrays only).
+    """State of [`zero`][commjax.optimizers.zero.zero] (arrays only).
 
     Attributes:
       count: int32 scalar, replicated: steps taken (keys are folded from it).
@@ -497,9 +497,10 @@ def zero(
       seed: seed of the replicated PRNG key (stochastic codecs).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`ZeroState`; lay it out with
-      :func:`commjax.init_sharded` or :func:`commjax.shard_state` and
-      :func:`commjax.state_specs`.
+      An ``optax.GradientTransformation`` with [`ZeroState`][commjax.optimizers.zero.ZeroState]; lay
+      it out with
+      [`commjax.init_sharded`][] or [`commjax.shard_state`][] and
+      [`commjax.state_specs`][].
 
     Raises:
       ValueError, TypeError: bad options (named in the message), at construction; at
@@ -569,7 +570,8 @@ def _check_axes(cfg: _Config) -> None:
 
 
 def _plan_bytes(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1) -> CommunicationPlan:
-    """What one :func:`zero` step sends per device (its :func:`commjax.communication_plan`),
+    """What one [`zero`][commjax.optimizers.zero.zero] step sends per device (its
+    [`commjax.communication_plan`][]),
     ``num_replicas`` on ``axis_name`` and ``inner_replicas`` on ``inner_axis_name``: the
     gradient reduce-scatter and the weight all-gather (exact shards and the flag joined,
     coded ones apart, as the compiled step sends them) and, at the first step only, the
