@@ -11,7 +11,7 @@ over::
     commjax.axes.bytes_by_axis(report, mesh)   # {"data": ..., "model": ..., "stage": ...}
 
 Keys are the axis names joined by ``"+"`` (``"data+model"`` for a collective over both).
-Counting follows :func:`commjax.collective_bytes` (each instruction once, ring bytes).
+Counting follows [`commjax.collective_bytes`][] (each instruction once, ring bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _instruction_line(text: str, name: str) -> Optional[str]:
 
 def _groups(line: str, num_devices: int) -> list[list[int]]:
     """The device groups an instruction names: explicit ``{{0,1},{2,3}}`` lists, iota
-    ``[G,S]<=[dims]T(perm)`` tiles, the mesh form (:func:`commjax._hlo._mesh_groups`), or
+    ``[G,S]<=[dims]T(perm)`` tiles, the mesh form (``commjax._hlo._mesh_groups``), or
     source-target pairs (each pair a group)."""
     for key in _GROUP_KEYS:
         m = re.search(r"\b" + key + r"\s*=\s*", line)
@@ -71,7 +71,7 @@ def _axes_of(groups: list[list[int]], mesh: Any) -> tuple[str, ...]:
 
 def collective_axes(report: Any, mesh: Any) -> list[tuple[Any, tuple[str, ...]]]:
     """``(collective, axes it runs over)`` for every collective of ``report`` (a
-    :class:`commjax.CollectiveReport` of a program compiled for ``mesh``)."""
+    [`commjax.CollectiveReport`][] of a program compiled for ``mesh``)."""
     n = int(np.prod(mesh.devices.shape))
     out = []
     for c in report.collectives:
