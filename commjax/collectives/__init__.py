@@ -3,7 +3,7 @@
 Pure functions for code running inside ``jax.shard_map`` (or ``jax.pmap``) over a mesh
 axis: optax transforms, optimizers, and model code alike. Each takes a pytree of arrays
 and a codec (any commjax compressor that encodes a vector into uint32 words;
-``None`` or :func:`commjax.identity` is the exact collective of ``jax.lax``) and returns
+``None`` or [`commjax.identity`][] is the exact collective of ``jax.lax``) and returns
 the *decoded* result, which is identical on every replica of the axis::
 
     from commjax import collectives as cc
@@ -22,7 +22,7 @@ collective          result on every replica                               bytes 
 ``all_gather``      ``concat_r C(x_r)`` (tiled along axis 0)              ``(N-1) P``
 ``reduce_scatter``  chunk ``r`` of ``sum_s C(x_s)``, summed in replica    ``(N-1)/N * N P_c``
                     order in fp32 (each chunk encoded on its own)         (one all-to-all)
-``all_reduce``      ``sum_s C(x_s)`` by the chosen reducer (below)        see :class:`Reducer`
+``all_reduce``      ``sum_s C(x_s)`` by the chosen reducer (below)        see ``Reducer``
 ==================  ====================================================  ===========================
 
 ``P`` is one replica's payload (``4 * payload_words``), ``P_c`` that of one chunk. Payloads
