@@ -1,5 +1,5 @@
 """Analytic per-device ring bytes of each compressed collective, attached to each op as its
-:func:`commjax.communication_plan`."""
+[`commjax.communication_plan`][]."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def wire_bytes(op: str, x: Any, num_replicas: int, codec: Optional[Compressor] =
     """Analytic per-device ring bytes of one collective on ``x`` (arrays or
     ``jax.ShapeDtypeStruct``, as the collective receives them), for ``num_replicas`` on
     ``axis_name`` (and ``inner_size`` on the inner axis): what the compiled HLO sends
-    (:func:`commjax.collective_bytes`)."""
+    ([`commjax.collective_bytes`][])."""
     leaves = jax.tree_util.tree_leaves(x)
     if op == "all_gather":
         total = _gather_bytes(leaves, codec, num_replicas)
@@ -92,7 +92,7 @@ def _reduce_bytes(leaves, codec, n, reducer) -> float:
 
 
 def _op_planner(op: str):
-    """The :func:`commjax.communication_plan` of one op: its one transfer (the forward
+    """The [`commjax.communication_plan`][] of one op: its one transfer (the forward
     collective; a VJP runs only where the op is differentiated), against the exact fp32
     all-reduce of the same floats."""
     def planner(x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
@@ -116,7 +116,7 @@ def _floats(x: Any) -> int:
 
 def _ppermute_plan(x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
                    delta: Optional[str] = None, carry_ids: bool = True) -> CommunicationPlan:
-    """:func:`~commjax.collectives.ppermute`: one send per device (its steady state in
+    """[`ppermute`][commjax.collectives.ppermute]: one send per device (its steady state in
     ``"sample"`` delta mode)."""
     sent = permute_bytes(x, num_replicas, codec, delta=delta, carry_ids=carry_ids)
     return CommunicationPlan("ppermute", num_replicas, (Transfer("payload", "collective-permute", sent),),
