@@ -165,7 +165,8 @@ def _check_tiled(leaves: Sequence[Any], n: int, where: str) -> None:
 
 
 def _fallback_cond(codec, overflow, coded, raw):
-    """``coded()``, or ``raw()`` (which sends :attr:`Compressor.fallback`'s payload) when
+    """``coded()``, or ``raw()`` (which sends [`Compressor.fallback`][commjax.Compressor.fallback]'s
+    payload) when
     ``overflow()`` is true: a replicated flag, so every replica takes the same branch and
     joins the same collectives. Codecs without a fallback: ``coded()`` alone."""
     if codec.fallback is None:
