@@ -19,7 +19,7 @@ def _shift(n: int) -> int:
 
 
 def prescale(x: jax.Array, n: int) -> jax.Array:
-    """``x 2**-k`` before a sum of ``n`` terms (:func:`unscale_mean` after it): a mean that
+    """``x 2**-k`` before a sum of ``n`` terms (``unscale_mean`` after it): a mean that
     fp32 can hold is returned even when the plain sum would overflow. Scaling by a power
     of two commutes with rounding, so ``unscale_mean(sum(prescale(x)))`` has the bits of
     ``sum(x) / n`` whenever that sum is finite, except for terms below ``2**(k - 126)``,
@@ -32,7 +32,7 @@ def prescale(x: jax.Array, n: int) -> jax.Array:
 
 
 def unscale_mean(total: jax.Array, n: int) -> jax.Array:
-    """The mean from the sum of :func:`prescale`\ d terms: ``total / (n 2**-k)``."""
+    """The mean from the sum of ``prescale``\ d terms: ``total / (n 2**-k)``."""
     if not jnp.issubdtype(total.dtype, jnp.inexact):
         return total / n
     return (total / jnp.asarray(n * 2.0 ** -_shift(n), total.dtype)).astype(total.dtype)
@@ -44,9 +44,9 @@ def unscale_mean(total: jax.Array, n: int) -> jax.Array:
 def exact_mean(parts: Sequence[jax.Array], axis_name: Any, num_replicas: int,
                extra: Sequence[jax.Array] = ()) -> tuple[list[jax.Array], list[jax.Array]]:
     """The exact mean of real ``parts`` (flattened) in one all-reduce (the *exact bucket*:
-    joined as whole rows, :mod:`commjax.bucket`): in fp32, or in float64 when a part is
+    joined as whole rows, ``commjax.bucket``): in fp32, or in float64 when a part is
     float64; and of the ``extra`` arrays as further operands of the same collective
-    (uncopied). The bucket is summed pre-scaled (:func:`prescale`): a mean that fp32 can
+    (uncopied). The bucket is summed pre-scaled (``prescale``): a mean that fp32 can
     hold is returned even when the sum over replicas overflows. ``axis_name=None``: no
     collective. Bytes: ``2 (N-1)/N * 4 * elements`` (8
     per element in float64)."""
