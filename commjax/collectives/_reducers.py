@@ -1,5 +1,5 @@
 """How ``all_reduce`` and ``compressed_mean`` move a bucket of payloads: the
-:class:`Reducer` strategies (all-reduce, all-gather, two-phase, shared mask) and the
+``Reducer`` strategies (all-reduce, all-gather, two-phase, shared mask) and the
 rule that picks one."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from commjax.collectives._common import (
 
 # ----------------------------------------------------------------- all_reduce reducers
 
-#: Density multiplier of a top-k two-phase owner's re-selection (see :class:`TwoPhase`).
+#: Density multiplier of a top-k two-phase owner's re-selection (see ``TwoPhase``).
 SERVER_DENSITY = 4.0
 
 
@@ -67,7 +67,7 @@ class Reducer:
         raise NotImplementedError
 
     def reports_finite(self, codec: Compressor) -> bool:
-        """Whether :meth:`reduce` returns :attr:`PartsResult.finite` for ``codec``: then a
+        """Whether ``reduce`` returns ``PartsResult.finite`` for ``codec``: then a
         non-finite input on any replica is already flagged on every replica by what they
         all receive, and the transform sends no flags of its own."""
         return False
@@ -130,7 +130,8 @@ class AllReduce(Reducer):
 
 
 def tells_finite(codec: Compressor) -> bool:
-    """Whether ``codec``'s :meth:`~Compressor.payload_finite` can tell (is not ``None``):
+    """Whether ``codec``'s [`payload_finite`][commjax.compressors.base.Compressor.payload_finite]
+    can tell (is not ``None``):
     asked of the method itself, on the abstract words of one block, so that the answer
     cannot disagree with what the reducers read."""
     if not isinstance(codec, BlockCompressor):
@@ -191,7 +192,7 @@ def _with_residuals(parts, segments, residuals):
 
 
 def _encode_ys(codec, ys, segments, residuals, key):
-    """``(words, outs)`` of :func:`_local_parts` from the ``y`` already formed: the same
+    """``(words, outs)`` of ``_local_parts`` from the ``y`` already formed: the same
     arithmetic (encode ``y``, ``y - C(y)``), with ``y`` kept for a fallback."""
     words, local = _local_parts(codec, ys, segments, None, key)
     if residuals is None:
@@ -201,7 +202,7 @@ def _encode_ys(codec, ys, segments, residuals, key):
 
 def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, residuals,
                           server_residual):
-    """All-gather reducer of a codec with a :attr:`~Compressor.fallback`: the coded
+    """All-gather reducer of a codec with a [`fallback`][commjax.Compressor.fallback]: the coded
     payloads; and, if some gathered payload overflowed (read from the gathered words, the
     same on every replica), the fallback's payloads of the same ``y``, whose mean is used."""
     ys = _with_residuals(parts, segments, residuals)
@@ -245,7 +246,7 @@ class TwoPhase(Reducer):
 
     name: ClassVar[str] = "two_phase"
     #: Codec of the owner's re-encoding of its chunk. ``None``: the same codec, except
-    #: top-k, whose owner keeps :data:`SERVER_DENSITY` times its density: the chunk's sum
+    #: top-k, whose owner keeps ``SERVER_DENSITY`` times its density: the chunk's sum
     #: holds up to ``N`` times more entries than each replica sent, and re-selecting only
     #: ``k`` of them cost the non-i.i.d. benchmark task twice the loss gap of the all-gather
     #: (benchmarks/results/sparse_convergence.json).
@@ -355,8 +356,8 @@ def _server_encode(server, mine, key, server_residual, server_error_feedback):
 
 def _two_phase_with_fallback(codec, server, parts, segments, m, axis_name, num_replicas, key,
                              residuals, server_residual, server_error_feedback):
-    """The two-phase reducer of a block codec with a :attr:`~Compressor.fallback`
-    (:func:`commjax.lossless`): at each phase the coded payloads travel, and if one
+    """The two-phase reducer of a block codec with a [`fallback`][commjax.Compressor.fallback]
+    ([`commjax.lossless`][]): at each phase the coded payloads travel, and if one
     overflowed on some replica (an fp32 flag summed over the axis after the all-to-all;
     read from the gathered words after the all-gather) the fallback's payloads of the
     same values travel too, on every replica, and are the ones decoded."""
@@ -442,7 +443,7 @@ _REDUCER_OBJECTS = {r.name: r for r in (AllReduce(), AllGather(), TwoPhase(), Sh
 
 
 def get_reducer(reducer: Any) -> Reducer:
-    """A :class:`Reducer` from itself or its name (``"allreduce"``, ``"allgather"``,
+    """A ``Reducer`` from itself or its name (``"allreduce"``, ``"allgather"``,
     ``"two_phase"``)."""
     if isinstance(reducer, Reducer):
         return reducer
@@ -459,7 +460,7 @@ def valid_reducers(codec: Compressor) -> tuple[str, ...]:
 
 
 def check_reducer(codec: Compressor, reducer: Any, where: str = "compressed_mean") -> Any:
-    """``reducer`` (``"auto"``, a name or a :class:`Reducer`) if it can carry ``codec``."""
+    """``reducer`` (``"auto"``, a name or a ``Reducer``) if it can carry ``codec``."""
     if reducer == "auto":
         return reducer
     try:
@@ -479,7 +480,7 @@ def choose_reducer(codec: Compressor, reducer: Any, n: int, num_replicas: int,
     """Resolve ``"auto"`` to the valid reducer that sends the fewest bytes (``None`` for one
     replica). Ties go to the more exact: an fp32 all-reduce (no re-encoding), then the
     all-gather (one encoding), then two-phase (two). A 16-bit linear payload is never
-    summed by ``psum`` (:class:`AllReduce` refuses it; two-phase sums it in fp32)."""
+    summed by ``psum`` (``AllReduce`` refuses it; two-phase sums it in fp32)."""
     check_reducer(codec, reducer)
     if num_replicas <= 1:
         return None
@@ -509,7 +510,7 @@ def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[
 
     ``key`` is this replica's encoding key. With ``residuals`` (one per segment, its
     ``size`` long) each part is encoded as ``part + residual`` and
-    :attr:`PartsResult.residuals` holds the new residuals; without, the local decodes.
+    ``PartsResult.residuals`` holds the new residuals; without, the local decodes.
     ``reducer=None``: one replica, encode and decode only. ``shared_key`` (the same on
     every replica) is what codecs with ``shared_randomness`` (random-k) encode with.
     """
