@@ -1,6 +1,6 @@
 """The stages of the sharded collectives: ``all_gather`` and ``reduce_scatter`` over one
-axis or a two-level pair of axes (the public ops and their VJPs: :mod:`.gather`,
-:mod:`.scatter`)."""
+axis or a two-level pair of axes (the public ops and their VJPs: ``.gather``,
+``.scatter``)."""
 
 from __future__ import annotations
 
