@@ -7,7 +7,7 @@ replica a source at most once and a destination at most once), ``C`` the codec::
     y_d = C(x_s)    where (s, d) is in perm;   y_d = 0 if d is no destination
 
 as ``jax.lax.ppermute`` (which it is, bit for bit, for ``codec=None`` or
-:func:`commjax.identity`). The encoded words of every floating leaf travel in **one**
+[`commjax.identity`][]). The encoded words of every floating leaf travel in **one**
 ``collective-permute`` of uint32 words; integer and boolean leaves travel exactly.
 
 Bytes sent per device and call: ``4 * sum_leaves payload_words`` (+ the exact leaves'
@@ -29,14 +29,16 @@ residual ``e`` left by the later send (in backward order), and the send encodes
     y, tok = cc.ppermute(h, "stage", fwd, grad_codec=cj.powersgd(4), grad_residual=tok)
 
 Differentiate the loss with respect to the first token to read the residual left over,
-and start the next step's backward with it through :func:`inject_residual`. One
+and start the next step's backward with it through
+[`inject_residual`][commjax.collectives.permute.inject_residual]. One
 residual the size of one send (one microbatch) per stage, carried in the values the
 program returns. An exact send (``grad_codec=None``) sends ``ct + e`` exactly and
 leaves no residual, so compressing only chosen sends (Optimus-CC's epilogue) is a
 choice of ``grad_codec`` per call.
 
 **Delta modes** for activations sent again and again (``delta=``, with ``state`` made
-by :func:`delta_state`; the call then returns ``(y, new_state)``):
+by [`delta_state`][commjax.collectives.permute.delta_state]; the call then returns ``(y,
+new_state)``):
 
 * ``"sample"`` (AQ-SGD): sender and receiver keep the same reconstruction ``m[i]`` of
   every training sample ``i``; the sender sends ``C(x - m[ids])`` and both add what it
@@ -216,7 +218,7 @@ def _low_rank_encode(coder: _Coder, value: jax.Array, key: Optional[jax.Array]) 
 
 
 def _coders(leaves: Sequence[Any], codec: Optional[Compressor]) -> dict:
-    """Leaf index -> :class:`_Coder` of each leaf that goes through ``codec`` (the others
+    """Leaf index -> ``_Coder`` of each leaf that goes through ``codec`` (the others
     travel exactly: non-floating leaves, and leaves PowerSGD would not shrink)."""
     if _is_exact(codec):
         return {}
@@ -324,7 +326,8 @@ def _per_replica(cls):
 
 @_per_replica
 class PermuteDelta(NamedTuple):
-    """State of one call site of :func:`ppermute` in a delta mode (:func:`delta_state`).
+    """State of one call site of [`ppermute`][commjax.collectives.permute.ppermute] in a delta mode
+    ([`delta_state`][commjax.collectives.permute.delta_state]).
 
     Attributes:
       sent: the reference ``m`` of what this replica sends, float32, per leaf of ``x``:
@@ -345,7 +348,8 @@ class PermuteDelta(NamedTuple):
 
 
 def delta_state(x: Any, mode: str = "sample", *, num_samples: Optional[int] = None) -> PermuteDelta:
-    """A fresh :class:`PermuteDelta` for sends shaped like ``x`` (arrays or
+    """A fresh [`PermuteDelta`][commjax.collectives.permute.PermuteDelta] for sends shaped like
+    ``x`` (arrays or
     ``jax.ShapeDtypeStruct``, this replica's local view; in ``"sample"`` mode each leaf's
     leading dimension is the batch). References start at zero, no sample seen.
 
@@ -528,7 +532,8 @@ def ppermute(
       grad_residual: lazy error propagation of the backward send (module docstring): a
         pytree like ``x``; the call then also returns it (unchanged) for the next call.
       delta: ``None``, ``"sample"`` (AQ-SGD) or ``"slot"``: send ``C(x - m)``.
-      state: the delta mode's :class:`PermuteDelta` (:func:`delta_state`).
+      state: the delta mode's [`PermuteDelta`][commjax.collectives.permute.PermuteDelta]
+        ([`delta_state`][commjax.collectives.permute.delta_state]).
       sample_ids: ``int32[batch]``, the sample id of each row of ``x`` (``"sample"``).
       recv_ids: the ids of the rows this replica receives, if it knows them (saves the
         ``4 * batch`` bytes of sending them along).
@@ -567,7 +572,8 @@ def ppermute(
 def inject_residual(token: Any, residual: Any) -> jax.Array:
     """A scalar zero (``token`` is zeros) whose gradient with respect to ``token`` is
     ``residual``: add it to the loss to start a backward pass of lazy error propagation
-    with the residual the previous step left (``grad_residual`` of :func:`ppermute`)."""
+    with the residual the previous step left (``grad_residual`` of
+    [`ppermute`][commjax.collectives.permute.ppermute])."""
     terms = [jnp.sum(lax.stop_gradient(r).astype(jnp.float32) * t.astype(jnp.float32))
              for t, r in zip(jax.tree_util.tree_leaves(token), jax.tree_util.tree_leaves(residual))
              if _floating(t)]
@@ -576,7 +582,8 @@ def inject_residual(token: Any, residual: Any) -> jax.Array:
 
 def permute_bytes(x: Any, num_replicas: int, codec: Optional[Compressor] = None, *,
                   delta: Optional[str] = None, carry_ids: bool = True) -> float:
-    """Per-device bytes of one :func:`ppermute` of ``x`` (arrays or shapes, this replica's
+    """Per-device bytes of one [`ppermute`][commjax.collectives.permute.ppermute] of ``x`` (arrays
+    or shapes, this replica's
     view) with ``codec``: what the compiled HLO's ``collective-permute`` ops send. In
     ``"sample"`` delta mode: the coded branch (steady state, after every sample's first
     visit), the 4-byte flag's all-reduce and, with ``carry_ids``, the ids."""
