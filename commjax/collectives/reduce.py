@@ -1,4 +1,4 @@
-"""``all_reduce`` with a codec, through a :class:`Reducer`; its VJP is an ``all_reduce``."""
+"""``all_reduce`` with a codec, through a ``Reducer``; its VJP is an ``all_reduce``."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def all_reduce(
     """Sum (or mean) ``x`` over ``axis_name``, identical on every replica, sent encoded.
 
     The floating leaves form one bucket (each padded to whole blocks) reduced by one
-    :class:`Reducer`: ``"allreduce"`` (``psum`` of a linear payload, ``2 (N-1)/N P``),
+    ``Reducer``: ``"allreduce"`` (``psum`` of a linear payload, ``2 (N-1)/N P``),
     ``"allgather"`` (``(N-1) P``, grows with ``N``), ``"two_phase"`` (all-to-all +
     all-gather, ``2 (N-1)/N P``, flat in ``N``, with a server-side re-encoding) or
     ``"auto"`` (the cheapest valid). With ``inner_axis_name`` the exact fp32 mean over that
@@ -52,7 +52,7 @@ def all_reduce(
       residual: error feedback, a pytree like ``x``: returns ``(out, new_residual,
         new_server_residual)``. Not differentiable.
       server_residual: the two-phase reducer's residual (``float32[chunk]``, see
-        :meth:`Reducer.server_residual_size`), with ``residual``.
+        ``Reducer.server_residual_size``), with ``residual``.
       mean: divide by the number of replicas (of both axes with ``inner_axis_name``).
       server_error_feedback: keep the two-phase server residual.
     """
