@@ -1,23 +1,26 @@
 """What a compressor is: an immutable codec between float vectors and wire words.
 
 A compressor never communicates. It turns a flat float32 vector into a *payload* of
-unsigned 32-bit words and back; the collectives in :mod:`commjax.collectives` move payloads
-between replicas, and :func:`commjax.compressed_mean` adds error feedback around both.
+unsigned 32-bit words and back; the collectives in [`commjax.collectives`][] move payloads
+between replicas, and [`commjax.compressed_mean`][] adds error feedback around both.
 
 Two families share this interface:
 
-* **Block codecs** (:class:`BlockCompressor`: cast, quantize, QSGD, TernGrad, sign)
+* **Block codecs** ([`BlockCompressor`][commjax.compressors.base.BlockCompressor]: cast, quantize,
+  QSGD, TernGrad, sign)
   cut the vector into blocks of ``block_size`` elements and encode each block into a
   fixed row of ``row_words`` uint32 words. Rows are independent, so a payload can be cut
   into per-replica chunks of whole blocks: this is what the two-phase reducer needs.
-* **Whole-vector codecs** (sparsifiers, for example) implement :meth:`Compressor.encode`
-  and :meth:`Compressor.decode` on the flat vector and travel through the all-gather
+* **Whole-vector codecs** (sparsifiers, for example) implement
+  [`Compressor.encode`][commjax.compressors.base.Compressor.encode]
+  and [`Compressor.decode`][commjax.compressors.base.Compressor.decode] on the flat vector and
+  travel through the all-gather
   reducer.
 
 A compressor whose payload may be summed across replicas before decoding
 (``decode(sum_i encode(x_i)) == sum_i decode(encode(x_i))``: the identity, random-k
 values, PowerSGD factors) sets ``linear = True`` and implements
-:meth:`Compressor.encode_linear` / :meth:`Compressor.decode_linear`; only those may be
+``Compressor.encode_linear`` / ``Compressor.decode_linear``; only those may be
 reduced with ``psum`` (quantized integer payloads would wrap around).
 """
 
@@ -145,15 +148,15 @@ class Compressor:
 
     @property
     def fallback(self) -> Optional["Compressor"]:
-        """A codec whose fixed-size payload cannot carry every input (:func:`commjax.lossless`:
+        """A codec whose fixed-size payload cannot carry every input ([`commjax.lossless`][]:
         more escapes than a block has slots) names one that can; the reducers send it, on
-        every replica, when :meth:`payload_overflow` is true for some replica's payload.
+        every replica, when ``payload_overflow`` is true for some replica's payload.
         ``None``: every input fits."""
         return None
 
     def payload_overflow(self, words: jax.Array) -> jax.Array:
         """Whether ``words`` (any leading shape) hold a block that did not fit (codecs with
-        a :attr:`fallback` only)."""
+        a ``fallback`` only)."""
         raise TypeError(f"{self.name} payloads always fit: it has no fallback")
 
     def payload_finite(self, words: jax.Array) -> Optional[jax.Array]:
@@ -193,7 +196,7 @@ class Compressor:
 class BlockCompressor(Compressor):
     """A codec that maps each block of ``block_size`` floats to ``row_words`` uint32 words.
 
-    Subclasses implement :meth:`encode_blocks` and :meth:`decode_blocks` on
+    Subclasses implement ``encode_blocks`` and ``decode_blocks`` on
     ``[num_blocks, block_size]`` arrays; the flat interface and chunking come from here.
     """
 
@@ -219,7 +222,7 @@ class BlockCompressor(Compressor):
     def encode_blocks(self, blocks: jax.Array, key: Optional[jax.Array], start: int = 0) -> jax.Array:
         """``float32[nb, block] -> uint32[nb, row_words]``. ``start`` is the position of
         ``blocks[0, 0]`` in the vector being encoded: stochastic codecs draw their noise
-        by position (:func:`commjax.noise.uniform`), so that encoding a vector piece by
+        by position ([`commjax.noise.uniform`][]), so that encoding a vector piece by
         piece gives the same words as encoding it whole."""
         raise NotImplementedError
 
@@ -228,7 +231,7 @@ class BlockCompressor(Compressor):
         raise NotImplementedError
 
     def encode(self, x, key, segments=None, *, start: int = 0):
-        """``float32[n] -> uint32[payload_words(n)]``; ``start``: see :meth:`encode_blocks`."""
+        """``float32[n] -> uint32[payload_words(n)]``; ``start``: see ``encode_blocks``."""
         rows = self.encode_blocks(x.reshape(-1, self.block), key, start)
         return rows.reshape(-1)
 
