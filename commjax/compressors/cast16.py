@@ -79,7 +79,7 @@ def cast(dtype: Any = jnp.bfloat16, *, wire: str = "raw",
 
     * ``"raw"``: two 16-bit patterns per uint32 word, 16 bits per element.
     * ``"lossless"`` (bfloat16 only): the same bfloat16 values through the fixed-rate
-      lossless code of :func:`commjax.lossless` (base exponent per block, 4-bit exponent
+      lossless code of [`commjax.lossless`][] (base exponent per block, 4-bit exponent
       deltas, sign and mantissa raw): 12.375 bits per element, 0.77x of raw. Every
       replica receives exactly what ``"raw"`` gives (bit for bit; NaN payloads are kept
       rather than quieted); a step where some replica's block overflows its escapes
@@ -88,7 +88,7 @@ def cast(dtype: Any = jnp.bfloat16, *, wire: str = "raw",
       ``"two_phase"``, as for raw (a 16-bit payload is never summed by ``psum``).
 
     ``kernels`` picks the lossless encoder's implementation (as for
-    :func:`commjax.quantize`); the raw format has no kernel.
+    [`commjax.quantize`][]); the raw format has no kernel.
 
     Example::
 
