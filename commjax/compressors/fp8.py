@@ -7,17 +7,18 @@ the format's relative precision down to its subnormals. Four codes per uint32 wo
 on CPU widens FP8 collectives), so a block costs ``B / 4 + 1`` words:
 ``8 + 32 / B`` bits per element (8.125 at the default block of 256).
 
-Rounding (grid and bits in :mod:`commjax.kernels.fp8`):
+Rounding (grid and bits in ``commjax.kernels.fp8``):
 
 * nearest (half to even), the bits ``astype(float8)`` gives: ``|x - x_hat| <= 2**-(m+1)
   |x|`` for values in the normal range (``m`` = 3 for e4m3, 2 for e5m2), and at most
   ``2**-4 s`` (e4m3) or ``2**-3 s`` (e5m2) anywhere in the block;
 * stochastic: to the FP8 neighbour above with probability equal to the distance from the
-  one below over their spacing, noise drawn by position (:func:`commjax.noise.uniform`):
+  one below over their spacing, noise drawn by position ([`commjax.noise.uniform`][]):
   ``E[x_hat] = x``, ``|x - x_hat| <`` one spacing.
 
 A NaN or Inf in a block makes its scale NaN: the block decodes to NaN (on every replica)
-and :meth:`Fp8.payload_finite` reads it from the scale words.
+and [`Fp8.payload_finite`][commjax.compressors.fp8.Fp8.payload_finite] reads it from the scale
+words.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ __all__ = ["Fp8", "fp8"]
 @dataclasses.dataclass(frozen=True)
 class Fp8(BlockCompressor):
     """Blockwise scaled FP8 codes, four per word, and an fp32 scale per block (see
-    :func:`fp8`). ``kernels`` picks the :mod:`commjax.kernels` implementation of the
+    [`fp8`][commjax.compressors.fp8.fp8]). ``kernels`` picks the [`commjax.kernels`][]
+    implementation of the
     encoder; part of the codec's hash."""
 
     format: str = "e4m3"
@@ -83,7 +85,7 @@ class Fp8(BlockCompressor):
 
     def encode_feedback(self, x, residual, key, *, start=0):
         """``(encode(y), y - decode(encode(y)))`` for ``y = x + residual`` from one pass of
-        :func:`commjax.kernels.fp8.fp8_blocks` (``output="residual"``)."""
+        [`commjax.kernels.fp8.fp8_blocks`][] (``output="residual"``)."""
         nb = x.shape[0] // self.block_size
         u = self._uniforms(key, (nb, self.block_size), start)
         rows, res = fp8_blocks(x.reshape(nb, self.block_size), fmt=self.format, uniforms=u,
@@ -115,7 +117,7 @@ def fp8(format: str = "e4m3", block_size: int = 256, stochastic: bool = False, *
         (2 mantissa bits, ``F = 57344``, a wider range within a block).
       block_size: elements per scale, a multiple of 4.
       stochastic: unbiased stochastic rounding instead of round-to-nearest-even.
-      kernels: the :mod:`commjax.kernels` implementation of the encoder (``"auto"``,
+      kernels: the [`commjax.kernels`][] implementation of the encoder (``"auto"``,
         ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``:
         ``$COMMJAX_KERNELS`` if set, else ``"auto"``). The bits do not depend on it.
 
