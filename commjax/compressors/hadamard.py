@@ -78,14 +78,15 @@ def _spread(x: jax.Array, size: int) -> jax.Array:
 
 
 def _unspread(y: jax.Array, size: int) -> jax.Array:
-    """The inverse of :func:`_spread`: ``H (y / size) * size`` (``H H = size I``), scaled so
+    """The inverse of ``_spread``: ``H (y / size) * size`` (``H H = size I``), scaled so
     that no partial sum overflows; both scalings are exact powers of two."""
     return _chunk_product(y * np.float32(1.0 / size), _signs(size), size) * np.float32(size)
 
 
 @dataclasses.dataclass(frozen=True)
 class Hadamard(BlockCompressor):
-    """``codec`` applied to Walsh-Hadamard-rotated chunks of ``size`` (see :func:`hadamard`).
+    """``codec`` applied to Walsh-Hadamard-rotated chunks of ``size`` (see
+    [`hadamard`][commjax.compressors.hadamard.hadamard]).
 
     A block of this codec is ``lcm(codec.block, size)`` elements: a whole number of the
     wrapped codec's blocks and of rotation chunks, so blocks stay independent (chunkable,
@@ -162,9 +163,9 @@ def hadamard(codec: BlockCompressor, size: int = 32) -> Hadamard:
     """Rotate each chunk of ``size`` elements by the normalized Walsh-Hadamard matrix before
     ``codec`` encodes it, and rotate back after it decodes (module docstring for the maths).
 
-    Usable wherever ``codec`` is: :func:`commjax.compressed_mean` (every reducer ``codec``
-    supports), the collectives of :mod:`commjax.collectives`, :func:`commjax.zero` and
-    :func:`commjax.fsdp_gather`. Bytes on the wire are exactly ``codec``'s; the block is
+    Usable wherever ``codec`` is: [`commjax.compressed_mean`][] (every reducer ``codec``
+    supports), the collectives of [`commjax.collectives`][], [`commjax.zero`][] and
+    [`commjax.fsdp_gather`][]. Bytes on the wire are exactly ``codec``'s; the block is
     ``lcm(codec.block, size)`` elements. Costs one ``size x size`` matrix product per chunk
     on each side (``2 size`` flops per element).
 
