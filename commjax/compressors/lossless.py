@@ -3,7 +3,7 @@
 Training traffic in bfloat16 carries far fewer bits than it occupies, mostly in the
 8-bit exponent: within a block of neighbouring values the exponents span a few binades.
 XLA collectives need static shapes, so this is a *fixed-rate* code (layout and maths in
-:mod:`commjax.kernels.lossless`): per block of ``B`` values one base exponent (the
+``commjax.kernels.lossless``): per block of ``B`` values one base exponent (the
 block's largest) and a 4-bit offset below it per group of 32 values, a
 ``delta_bits``-bit distance below its group's reference per value (one code reserved for
 zeros and subnormals), the sign and mantissa raw, and ``escapes`` slots of (index,
@@ -11,28 +11,32 @@ exponent) for values further below. Per element: ``8 + delta_bits + 32 (ceil((es
 1) / 2) + 1) / B`` bits: 12.375 (0.77 of bfloat16) at the defaults.
 
 Exactness: a float32 input is first rounded to bfloat16 (to nearest even, the bits
-:func:`commjax.cast` gives every non-NaN value), and every bfloat16 pattern (NaN
-payloads, +-inf, subnormals, -0) decodes to itself: :func:`bf16_bits` and
-:func:`bf16_value` convert with integer arithmetic, since XLA's conversions quiet NaN
+[`commjax.cast`][] gives every non-NaN value), and every bfloat16 pattern (NaN
+payloads, +-inf, subnormals, -0) decodes to itself:
+[`bf16_bits`][commjax.compressors.lossless.bf16_bits] and
+[`bf16_value`][commjax.compressors.lossless.bf16_value] convert with integer arithmetic, since XLA's
+conversions quiet NaN
 payloads. So ``decode(encode(x))`` is ``cast(bf16)``'s decode bit for bit (NaN aside),
 and training with ``lossless()`` equals training with ``cast(jnp.bfloat16)`` through the
 same reducer. It is also ``cast(jnp.bfloat16, wire="lossless")``: the wire format of
-:func:`commjax.cast`.
+[`commjax.cast`][].
 
 Escape overflow: when some block of some replica has more far-below exponents than
 slots, its payload cannot be decoded. The reducers read each payload's overflow bits
-(:meth:`Lossless.payload_overflow`): an all-gather reads them from the gathered payloads
+([`Lossless.payload_overflow`][commjax.compressors.lossless.Lossless.payload_overflow]): an
+all-gather reads them from the gathered payloads
 (every replica holds the same words), an all-to-all sums them in one fp32 all-reduce
 first; then every replica takes the same ``lax.cond`` branch and, on overflow, sends the
-raw :attr:`Lossless.fallback` payload as well (the bfloat16 patterns, 16 bits each:
+raw [`Lossless.fallback`][commjax.compressors.lossless.Lossless.fallback] payload as well (the
+bfloat16 patterns, 16 bits each:
 the bytes of ``cast(bf16)``). Such a step costs the coded payload plus the raw one; the
 group references keep them rare (more ``escapes`` or ``delta_bits`` make them rarer
 still, for more bytes).
 
 Only payloads that are gathered or exchanged whole can be lossless (a sum cannot):
 reducers ``"allgather"`` and ``"two_phase"`` (all-to-all, a fixed-order fp32 sum,
-re-encoding, all-gather), and :func:`commjax.collectives.all_gather` /
-``reduce_scatter`` (the traffic of :func:`commjax.zero`).
+re-encoding, all-gather), and [`commjax.collectives.all_gather`][] /
+``reduce_scatter`` (the traffic of [`commjax.zero`][]).
 """
 
 from __future__ import annotations
@@ -73,8 +77,10 @@ def bf16_value(h: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class RawBf16(BlockCompressor):
-    """bfloat16 patterns, two per word: :attr:`Lossless.fallback`. The values of
-    ``cast(bf16)``, converted with :func:`bf16_bits` / :func:`bf16_value` so that NaN
+    """bfloat16 patterns, two per word:
+    [`Lossless.fallback`][commjax.compressors.lossless.Lossless.fallback]. The values of
+    ``cast(bf16)``, converted with [`bf16_bits`][commjax.compressors.lossless.bf16_bits] /
+    [`bf16_value`][commjax.compressors.lossless.bf16_value] so that NaN
     payloads survive as they do in the lossless code."""
 
     name: ClassVar[str] = "raw_bf16"
@@ -98,7 +104,8 @@ class RawBf16(BlockCompressor):
 @dataclasses.dataclass(frozen=True)
 class Lossless(BlockCompressor):
     """bfloat16 values as base exponent + exponent deltas + raw sign/mantissa + escapes
-    (see :func:`lossless`); float32 as that code of its top 16 bits + its low 16 bits
+    (see [`lossless`][commjax.compressors.lossless.lossless]); float32 as that code of its top 16
+    bits + its low 16 bits
     raw. ``kernels`` picks the encoder's implementation."""
 
     block_size: int = 256
@@ -129,7 +136,8 @@ class Lossless(BlockCompressor):
     @property
     def fallback(self) -> Compressor:
         """What travels when some payload overflows its escapes: the same values raw,
-        :class:`RawBf16` (the bytes of ``cast(bf16)``) or fp32 words (``identity()``)."""
+        [`RawBf16`][commjax.compressors.lossless.RawBf16] (the bytes of ``cast(bf16)``) or fp32
+        words (``identity()``)."""
         return Identity() if self.lossless else RawBf16()
 
     def encode_blocks(self, blocks, key, start=0):
@@ -175,7 +183,7 @@ class Lossless(BlockCompressor):
 
     def payload_overflow(self, words: jax.Array) -> jax.Array:
         """Whether some block of ``words`` (any leading shape) overflowed its escapes: then
-        it does not decode, and the reducers send :attr:`fallback` instead."""
+        it does not decode, and the reducers send ``fallback`` instead."""
         return jnp.any((self._headers(words) >> 8) != 0)
 
     def payload_finite(self, words):
@@ -193,7 +201,7 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
     ``delta_bits``-bit code, ``r - e`` for an exponent ``e`` within ``2**delta_bits - 2``
     binades of ``r`` or "zero/subnormal"; the sign and 7 mantissa bits raw; ``escapes``
     16-bit slots (index, exponent) for the values further below. Inputs are rounded to
-    bfloat16 first (round-to-nearest-even, as :func:`commjax.cast`); from there the code
+    bfloat16 first (round-to-nearest-even, as [`commjax.cast`][]); from there the code
     is exact, for every bit pattern.
 
     Bits per element: ``8 + delta_bits + 32 (ceil((escapes + 1) / 2) + 1) / block_size``
@@ -203,7 +211,7 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
 
     Usable wherever payloads are gathered or exchanged whole: ``compressed_mean`` with
     ``reducer="allgather"`` or ``"two_phase"`` (the mean is summed in fp32 from the exact
-    bfloat16 values), :func:`commjax.collectives.all_gather` and ``reduce_scatter``, and
+    bfloat16 values), [`commjax.collectives.all_gather`][] and ``reduce_scatter``, and
     ``cj.zero(..., weight_codec=cj.lossless())``.
 
     Args:
@@ -215,8 +223,8 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
         index is one byte).
       delta_bits: bits of each exponent code, 1 to 7.
       escapes: escape slots per block, at least 1.
-      kernels: the :mod:`commjax.kernels` implementation of the encoder, as for
-        :func:`commjax.quantize`; the bits do not depend on it.
+      kernels: the [`commjax.kernels`][] implementation of the encoder, as for
+        [`commjax.quantize`][]; the bits do not depend on it.
     """
     dtype_name = check_dtype("dtype", dtype, ("bfloat16", "float32"), factory="lossless").name
     check_positive_int("block_size", block_size, factory="lossless")
