@@ -19,7 +19,7 @@ products of the replicas' own matrices are what travel, so an fp32 ``psum`` sums
 exactly (no quantized integers are ever summed). All ``P`` of a step (every leaf, every
 same-shape group) travel in **one** fused all-reduce, all ``Q`` in a second one.
 
-Error feedback is :func:`commjax.compressed_mean`'s ``error_feedback`` option (default
+Error feedback is [`commjax.compressed_mean`][]'s ``error_feedback`` option (default
 on). The transform adds the residual ``e_i`` to the gradient and keeps
 ``e_i <- x_i - M_hat`` with ``x_i = g_i + e_i``: the residual is taken against the
 decompressed **mean** approximation, as in PyTorch's DDP hook and the paper. PowerSGD is
@@ -30,7 +30,8 @@ mean, so the ``residual_norm`` metric grows with the replicas' disagreement (non
 data) without biasing the result.
 
 State: the factors (``Q``; ``P`` too with ``alternating``) are replicated, in
-``CompressedMeanState.compressor_state`` (:class:`PowerSGDState`, ``P()`` under
+``CompressedMeanState.compressor_state``
+([`PowerSGDState`][commjax.compressors.powersgd.PowerSGDState], ``P()`` under
 ``shard_map``); the residual is per replica. The phase (warm-up, P-step, Q-step) follows
 the transform's step counter, so a restored checkpoint resumes in the right phase.
 Columns of ``Q`` (or ``P``) that die (a zero gradient) are re-drawn from the key shared
@@ -48,9 +49,11 @@ Leaves that are 1-D, or whose compression rate ``m n / ((m + n) r)`` is below
 ``min_compression_rate``, are averaged exactly in the transform's fused exact bucket.
 With ``start_step > 0`` or ``alternating`` the phases are branches of one ``lax.cond``
 / ``lax.switch``; a static count of the compiled HLO's collectives
-(:func:`commjax.collective_bytes`) lists every branch's all-reduce, while
-:meth:`PowerSGD.phase_bytes` gives each phase's bytes and
-:meth:`PowerSGD.exchange_bytes` (what :func:`commjax.communication_plan` reports) the
+([`commjax.collective_bytes`][]) lists every branch's all-reduce, while
+[`PowerSGD.phase_bytes`][commjax.compressors.powersgd.PowerSGD.phase_bytes] gives each phase's bytes
+and
+[`PowerSGD.exchange_bytes`][commjax.compressors.powersgd.PowerSGD.exchange_bytes] (what
+[`commjax.communication_plan`][] reports) the
 steady state after the warm-up.
 
 References:
@@ -82,7 +85,8 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 class PowerSGDState(NamedTuple):
-    """Replicated state of :class:`PowerSGD` (``CompressedMeanState.compressor_state``).
+    """Replicated state of [`PowerSGD`][commjax.compressors.powersgd.PowerSGD]
+    (``CompressedMeanState.compressor_state``).
 
     One entry per *group* of compressed leaves (leaves of the same matrix shape when
     ``batch_same_shape``, else one leaf each), in the order the groups first appear in
@@ -97,7 +101,7 @@ class PowerSGDState(NamedTuple):
         only; ``()`` otherwise).
 
     Every leaf is identical on all replicas: lay it out with ``P()`` (as
-    :func:`commjax.state_specs` does for ``compressor_state``).
+    [`commjax.state_specs`][] does for ``compressor_state``).
     """
 
     q: tuple
@@ -195,7 +199,7 @@ def orthogonalize(
 ) -> jax.Array:
     """Orthonormal columns spanning the columns of ``matrices`` (``[..., m, r]``, ``r <= m``).
 
-    ``method="gram_schmidt"``: see :func:`_gram_schmidt`; columns that are (numerically,
+    ``method="gram_schmidt"``: see ``_gram_schmidt``; columns that are (numerically,
     or up to a relative ``epsilon``) linearly dependent on earlier ones come out as exact
     zeros, the others orthonormal.
     ``method="qr"``: the ``Q`` factor of ``jnp.linalg.qr`` (Householder): always
@@ -217,7 +221,7 @@ def shared_uniform(key: jax.Array, salt: int, shape: tuple[int, ...]) -> jax.Arr
     """i.i.d. ``U(-sqrt 3, sqrt 3)`` (zero mean, unit variance) entries, a pure function of
     ``key``, ``salt`` and the position: identical on every replica that holds ``key``.
 
-    Counter-based noise (:func:`commjax.noise.uniform`) rather than ``jax.random.normal``:
+    Counter-based noise ([`commjax.noise.uniform`][]) rather than ``jax.random.normal``:
     a start or restart vector of the power iteration needs no more than a continuous
     distribution, and this costs a few integer ops instead of a Threefry/erf-inverse
     kernel per call site (which dominates compile time on CPU)."""
@@ -283,7 +287,8 @@ def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class PowerSGD(Compressor):
-    """Rank-``r`` PowerSGD with its own two-all-reduce exchange (see :func:`powersgd`)."""
+    """Rank-``r`` PowerSGD with its own two-all-reduce exchange (see
+    [`powersgd`][commjax.compressors.powersgd.powersgd])."""
 
     rank: int = 4
     start_step: int = 0
@@ -351,7 +356,7 @@ class PowerSGD(Compressor):
 
     def exchange_bytes(self, segments: Sequence[Segment], num_replicas: int) -> float:
         """Steady-state per-device bytes of one step, after the warm-up: ``P`` plus ``Q``
-        (the mean of the two with ``alternating``). See :meth:`phase_bytes` per phase."""
+        (the mean of the two with ``alternating``). See ``phase_bytes`` per phase."""
         if num_replicas <= 1 or not segments:
             return 0.0
         b = self.phase_bytes(segments, num_replicas)
@@ -365,7 +370,7 @@ class PowerSGD(Compressor):
         return float(size / sent) if sent else 1.0
 
     def local_metrics(self, x: jax.Array, segments: Sequence[Segment]) -> dict[str, jax.Array]:
-        """``compression_rate`` (see :meth:`compression_rate`) and ``compressed_leaves``;
+        """``compression_rate`` (see ``compression_rate``) and ``compressed_leaves``;
         both static, the same in the warm-up."""
         return {
             "compression_rate": jnp.asarray(self.compression_rate(segments), jnp.float32),
@@ -524,7 +529,8 @@ def powersgd(
         contractive; two steps make one power iteration, at half the bytes per step.
 
     Returns:
-      A :class:`PowerSGD` compressor; its exchange state is a :class:`PowerSGDState`
+      A [`PowerSGD`][commjax.compressors.powersgd.PowerSGD] compressor; its exchange state is a
+      [`PowerSGDState`][commjax.compressors.powersgd.PowerSGDState]
       (replicated), its metrics ``compression_rate`` and ``compressed_leaves``.
 
     Raises:
