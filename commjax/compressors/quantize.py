@@ -1,7 +1,7 @@
 """Blockwise scaled integer codecs: ``quantize`` (absmax), ``qsgd`` and ``terngrad``.
 
 All three cut the vector into blocks of ``B`` elements, send one fp32 scale ``s`` per
-block and one ``b``-bit code per element, packed as bit planes (:mod:`commjax.packing`).
+block and one ``b``-bit code per element, packed as bit planes ([`commjax.packing`][]).
 A block costs ``b * ceil(B / 32) + 1`` uint32 words, i.e. ``b + 32 / B`` bits per element
 when ``B`` is a multiple of 32.
 
@@ -13,7 +13,7 @@ Rounding of ``q = x / s * L`` to an integer level:
 
 All-zero blocks have ``s = 0`` and decode to exact zeros.
 
-Encoding, error feedback and decoding run through :mod:`commjax.kernels`; the codecs'
+Encoding, error feedback and decoding run through [`commjax.kernels`][]; the codecs'
 ``kernels`` field picks the implementation (``None``: ``$COMMJAX_KERNELS``, else
 ``"auto"``) and never changes a bit of the result.
 """
@@ -42,7 +42,7 @@ _FMAX = float(jnp.finfo(jnp.float32).max)
 
 def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool, start: int = 0) -> Optional[jax.Array]:
     """The noise ``u ~ U[0, 1)`` of stochastic rounding, ``floor(q + u)`` (``None``: round
-    to nearest). Counter-based (:func:`commjax.noise.uniform`): one value per element and
+    to nearest). Counter-based ([`commjax.noise.uniform`][]): one value per element and
     step is needed, and Threefry cost more than the rest of the step on CPU."""
     if not stochastic:
         return None
@@ -54,7 +54,7 @@ def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool
 def _round_levels(x: jax.Array, c: jax.Array, key: Optional[jax.Array], stochastic: bool,
                   start: int = 0) -> jax.Array:
     """``R(x * c)`` for a non-negative ``c``; the product is rounded to fp32 before the
-    noise is added (:func:`commjax.kernels.fence`), as in the quantize kernel."""
+    noise is added ([`commjax.kernels.fence`][]), as in the quantize kernel."""
     q = _kernels.fence(x * c, c)
     u = _uniforms(key, q.shape, stochastic, start)
     return jnp.round(q) if u is None else jnp.floor(q + u)
@@ -64,7 +64,7 @@ def _round_levels(x: jax.Array, c: jax.Array, key: Optional[jax.Array], stochast
 class _ScaledCodec(BlockCompressor):
     """Shared layout: ``[packed codes | scale]`` per block, codes offset to be unsigned.
 
-    ``kernels``: the implementation of :mod:`commjax.kernels` this codec's encode and
+    ``kernels``: the implementation of [`commjax.kernels`][] this codec's encode and
     decode run (``None``: ``$COMMJAX_KERNELS``, else ``"auto"``). A field, so it is part
     of the codec's hash and of every trace that uses it.
     """
@@ -110,14 +110,14 @@ class _ScaledCodec(BlockCompressor):
         return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
 
     def decode_blocks(self, rows):
-        """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`);
+        """Unpack + dequantize in one kernel pass ([`commjax.kernels.decode_rows`][]);
         each value rounded to fp32 (no multiply-add with what the caller does next)."""
         return _kernels.decode_rows(rows, **self._decode_options())
 
     def decode_sum(self, payloads: jax.Array, n: int, segments=None, *, divide: int = 1) -> jax.Array:
         """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
         ``uint32[N, payload_words(n)]``: what a reducer computes from the payloads it
-        receives, in one fused kernel (:func:`commjax.kernels.decode_sum`).
+        receives, in one fused kernel ([`commjax.kernels.decode_sum`][]).
 
         Summed in replica order in fp32 from zeros, each decoded value rounded to fp32
         before it is added (no fused multiply-add), so the result is the same with and
@@ -133,7 +133,7 @@ class _ScaledCodec(BlockCompressor):
 def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, levels: int,
                      stochastic: bool):
     """``(encode(x + e), x + e - decode(encode(x + e)))`` of an absmax codec (quantize,
-    unclipped TernGrad), flat in and out, from one :func:`commjax.kernels.quantize_blocks`
+    unclipped TernGrad), flat in and out, from one [`commjax.kernels.quantize_blocks`][]
     pass with ``output="residual"``."""
     nb = x.shape[0] // codec.block
     u = _uniforms(key, (nb, codec.block), stochastic, start)
@@ -146,7 +146,8 @@ def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, level
 
 @dataclasses.dataclass(frozen=True)
 class Quantize(_ScaledCodec):
-    """Blockwise absmax quantization to ``bits`` in {8, 4, 2} (see :func:`quantize`)."""
+    """Blockwise absmax quantization to ``bits`` in {8, 4, 2} (see
+    [`quantize`][commjax.compressors.quantize.quantize])."""
 
     num_bits: int = 8
     stochastic_rounding: bool = True
@@ -184,7 +185,7 @@ class Quantize(_ScaledCodec):
     def encode_feedback(self, x, residual, key, *, start=0):
         """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
-        (:func:`commjax.kernels.quantize_blocks` with ``output="residual"``), the same
+        ([`commjax.kernels.quantize_blocks`][] with ``output="residual"``), the same
         bits as encoding, decoding and subtracting."""
         return _absmax_feedback(self, x, residual, key, start, levels=self.levels,
                                 stochastic=self.stochastic_rounding)
@@ -267,7 +268,8 @@ class TernGrad(_ScaledCodec):
 
     def encode_feedback(self, x, residual, key, *, start=0):
         """Unclipped: error feedback fused with encoding in one kernel pass, as for
-        :meth:`Quantize.encode_feedback` (``L = 1``). Clipped: encode, decode, subtract."""
+        [`Quantize.encode_feedback`][commjax.compressors.quantize.Quantize.encode_feedback] (``L =
+        1``). Clipped: encode, decode, subtract."""
         if self.clip_sigma is not None:
             return super().encode_feedback(x, residual, key, start=start)
         return _absmax_feedback(self, x, residual, key, start, levels=1, stochastic=True)
@@ -288,7 +290,7 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
       bits: code width, one of 8, 4, 2 (2 bits gives the levels {-1, 0, +1}).
       block_size: elements per scale; multiples of 32 waste no packing space.
       stochastic: unbiased stochastic rounding (default) or round-to-nearest.
-      kernels: the :mod:`commjax.kernels` implementation that encodes and decodes:
+      kernels: the [`commjax.kernels`][] implementation that encodes and decodes:
         ``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``
         (``$COMMJAX_KERNELS`` if set, else ``"auto"``). The bits do not depend on it.
     """
@@ -306,7 +308,8 @@ def qsgd(levels: int = 16, block_size: int = 256, *, kernels: Optional[str] = No
     Per block, ``x_hat_i = ||x||_2 sign(x_i) l_i / s`` where ``l_i`` rounds
     ``|x_i| / ||x||_2 * s`` stochastically to ``{0..s}`` (``s = levels``); unbiased.
     Codes are ``ceil(log2(2 s + 1))`` bits (6 for ``levels=16``, 4 for ``levels=7``) plus
-    one fp32 norm per block. ``kernels``: as for :func:`quantize`.
+    one fp32 norm per block. ``kernels``: as for
+    [`quantize`][commjax.compressors.quantize.quantize].
     """
     check_positive_int("levels", levels, factory="qsgd")
     if levels > 32767:
@@ -324,7 +327,7 @@ def terngrad(block_size: int = 256, clip_sigma: Optional[float] = None, *,
     ``b_i ~ Bernoulli(|x_i| / s)``: unbiased. 2 bits per element plus a scale per block.
     ``clip_sigma`` (the paper's gradient clipping, e.g. 2.5) first clips to
     ``clip_sigma * std`` of the block: lower variance, but then biased.
-    ``kernels``: as for :func:`quantize`.
+    ``kernels``: as for [`quantize`][commjax.compressors.quantize.quantize].
     """
     check_positive_int("block_size", block_size, factory="terngrad")
     if clip_sigma is not None and not clip_sigma > 0:
