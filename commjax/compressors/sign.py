@@ -24,7 +24,7 @@ class Sign(BlockCompressor):
     makes ``x_hat`` the best scaled-sign approximation in the l2 sense. Zeros encode as
     ``+s``; an all-zero block decodes to exact zeros. Biased: use it with error feedback.
 
-    ``kernels``: the implementation of :mod:`commjax.kernels` that encode and decode run
+    ``kernels``: the implementation of [`commjax.kernels`][] that encode and decode run
     (``None``: ``$COMMJAX_KERNELS``, else ``"auto"``); part of the codec's hash.
     """
 
@@ -48,7 +48,7 @@ class Sign(BlockCompressor):
     def encode_feedback(self, x, residual, key, *, start=0):
         """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
-        (:func:`commjax.kernels.sign_blocks` with ``output="residual"``)."""
+        ([`commjax.kernels.sign_blocks`][] with ``output="residual"``)."""
         nb = x.shape[0] // self.block
         rows, res = _kernels.sign_blocks(
             x.reshape(nb, self.block), residual=residual.reshape(nb, self.block), output="residual",
@@ -67,15 +67,15 @@ class Sign(BlockCompressor):
         return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
 
     def decode_blocks(self, rows):
-        """Unpack + dequantize in one kernel pass (:func:`commjax.kernels.decode_rows`)."""
+        """Unpack + dequantize in one kernel pass ([`commjax.kernels.decode_rows`][])."""
         return _kernels.decode_rows(rows, **self._decode_options())
 
     def decode_sum(self, payloads: jax.Array, n: int, segments=None, *, divide: int = 1) -> jax.Array:
         """``sum_r decode(payloads[r], n)`` over the leading (replica) axis of
         ``uint32[N, payload_words(n)]``: what a reducer computes from the payloads it
-        receives, in one fused kernel (:func:`commjax.kernels.decode_sum`), in replica
+        receives, in one fused kernel ([`commjax.kernels.decode_sum`][]), in replica
         order and in fp32 from zeros; ``divide`` is folded into each block's step (see
-        :meth:`commjax.compressors.Compressor.decode_sum`)."""
+        [`commjax.compressors.Compressor.decode_sum`][commjax.compressors.base.Compressor.decode_sum])."""
         rows = payloads.reshape(payloads.shape[0], n // self.block, self.row_words)
         opts = self._decode_options()
         if divide != 1:
@@ -89,15 +89,15 @@ def sign(block_size: int = 256, *, kernels: Optional[str] = None) -> Sign:
     Bits per element: ``1 + 32 / block_size`` (1.125 at the default 256).
 
     Which optimizers suit it: the sign of a single step's gradient discards magnitudes, so
-    error feedback (on by default in :func:`commjax.compressed_mean`) is what makes it
+    error feedback (on by default in [`commjax.compressed_mean`][]) is what makes it
     converge. It works well with plain SGD after the transform, and in 1-bit Adam/LAMB
-    (:func:`commjax.onebit_adam`), where the *momentum* is compressed. Heavy momentum
+    ([`commjax.onebit_adam`][]), where the *momentum* is compressed. Heavy momentum
     applied *after* a sign-compressed mean amplifies the compression error (the momentum
     buffer accumulates the sign noise that error feedback has not yet corrected): expect
     a slower start with ``optax.sgd(momentum=0.9)`` after ``sign``.
 
-    ``kernels``: the :mod:`commjax.kernels` implementation that encodes and decodes, as
-    for :func:`commjax.quantize`.
+    ``kernels``: the [`commjax.kernels`][] implementation that encodes and decodes, as
+    for [`commjax.quantize`][].
     """
     check_positive_int("block_size", block_size, factory="sign")
     _kernels.check_impl(kernels, "sign", "kernels")
