@@ -1,10 +1,10 @@
 """Sparsifiers: ``top_k``, ``random_k`` and ``threshold``.
 
 A sparsifier keeps a few entries of the flat float32 bucket ``x`` and drops the rest;
-with error feedback (the default in :func:`commjax.compressed_mean`) the dropped part is
+with error feedback (the default in [`commjax.compressed_mean`][]) the dropped part is
 carried to the next step, so nothing is lost, only delayed.
 
-Wire formats (everything travels as uint32 words, see :mod:`commjax.compressors.base`):
+Wire formats (everything travels as uint32 words, see [`commjax.compressors.base`][]):
 
 * ``top_k`` and ``threshold`` send *values and indices*. Values are float32 words, or
   bfloat16 packed two per word (``values_dtype=jnp.bfloat16``); indices are uint32
@@ -31,7 +31,7 @@ References:
   Stich, Cordonnier & Jaggi, "Sparsified SGD with memory", NeurIPS 2018.
   Strom, "Scalable distributed DNN training using commodity GPU cloud computing",
   Interspeech 2015 (threshold sparsification).
-  Lin et al., "Deep gradient compression", ICLR 2018 (see :func:`commjax.optimizers.dgc`).
+  Lin et al., "Deep gradient compression", ICLR 2018 (see [`commjax.optimizers.dgc`][]).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _add_entries(out: jax.Array, pos: jax.Array, val: jax.Array) -> jax.Array:
 
 
 class _SparseDecode:
-    """Decoding of a payload of ``(position, value)`` entries (:meth:`entries`)."""
+    """Decoding of a payload of ``(position, value)`` entries (``entries``)."""
 
     def entries(self, payload: jax.Array, n: int, segments=None) -> tuple[jax.Array, jax.Array]:
         raise NotImplementedError
@@ -168,7 +168,8 @@ class _SparseDecode:
 
     def decode_sum(self, payloads, n, segments=None, *, divide=1):
         """``sum_r decode(payloads[r], n) / divide`` in replica order, as the dense sum of
-        :meth:`Compressor.decode_sum` computes it, bit for bit (the sum never holds ``-0``,
+        [`Compressor.decode_sum`][commjax.compressors.base.Compressor.decode_sum] computes it, bit
+        for bit (the sum never holds ``-0``,
         so adding zero where a replica sent nothing changes no bit), but with each
         replica's entries scatter-added into one buffer: ``n + N k`` values written
         instead of ``N n``."""
@@ -189,22 +190,22 @@ TWO_STAGE_MIN_WORK = 1 << 39
 def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
     """``lax.top_k(mag, k)[1]`` as int32 (positions of the ``k`` largest of each row of
     ``[R, m]``, largest first, the lower position first among equals): one ``lax.top_k``,
-    or :func:`two_stage_top_k` (the same positions) where that is faster: ``m * k`` at
-    least :data:`TWO_STAGE_MIN_WORK` and ``k`` at most ``m / 8`` (:func:`uses_two_stage`)."""
+    or ``two_stage_top_k`` (the same positions) where that is faster: ``m * k`` at
+    least ``TWO_STAGE_MIN_WORK`` and ``k`` at most ``m / 8`` (``uses_two_stage``)."""
     if not uses_two_stage(mag.shape[1], k):
         return lax.top_k(mag, k)[1].astype(jnp.int32)
     return two_stage_top_k(mag, k)
 
 
 def uses_two_stage(m: int, k: int) -> bool:
-    """Whether :func:`exact_top_k` selects ``k`` of a row of ``m`` in two stages."""
+    """Whether ``exact_top_k`` selects ``k`` of a row of ``m`` in two stages."""
     return m * k >= TWO_STAGE_MIN_WORK and k * 8 <= m
 
 
 def two_stage_top_k(mag: jax.Array, k: int) -> jax.Array:
     """``lax.top_k(mag, k)[1]`` as int32, without sorting long rows.
 
-    A long row is cut into sub-rows of :data:`_ROW` elements; each offers its ``c`` largest
+    A long row is cut into sub-rows of ``_ROW`` elements; each offers its ``c`` largest
     as candidates (``lax.top_k`` on short rows), and the ``k`` largest candidates are
     chosen among them. That is exact unless some sub-row's last (``c``-th) candidate is
     itself chosen (the sub-row might hold more of the top ``k``): then the whole row goes
@@ -228,7 +229,8 @@ def two_stage_top_k(mag: jax.Array, k: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class TopK(_SparseDecode, Compressor):
-    """Keep the ``k`` entries of largest magnitude of each selection domain (see :func:`top_k`)."""
+    """Keep the ``k`` entries of largest magnitude of each selection domain (see
+    [`top_k`][commjax.compressors.sparse.top_k])."""
 
     ratio: float = 0.01
     approximate: bool = False
@@ -358,7 +360,7 @@ def top_k(
         C(x)_i = x_i if i in S else 0
 
     Every domain sends at least one entry, even a leaf smaller than ``1 / ratio``.
-    With error feedback (default in :func:`commjax.compressed_mean`) the unsent
+    With error feedback (default in [`commjax.compressed_mean`][]) the unsent
     ``x - C(x)`` is added to the next step's gradient.
 
     Bytes per replica payload, ``K`` entries kept: ``4 K`` for fp32 values (``2 K`` for
@@ -422,7 +424,7 @@ def _raw_key(key: Optional[jax.Array]) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class RandomK(Compressor):
     """Send the values at ``k`` positions drawn from a key shared by all replicas
-    (see :func:`random_k`)."""
+    (see [`random_k`][commjax.compressors.sparse.random_k])."""
 
     ratio: float = 0.01
     rescale: bool = False
@@ -515,8 +517,10 @@ class RandomK(Compressor):
 
     @property
     def value_codec(self) -> Compressor:
-        """How the ``K`` values travel: fp32 (:func:`identity`, one all-reduce) or bf16
-        (:func:`cast`, packed words summed in fp32 by the two-phase reducer)."""
+        """How the ``K`` values travel: fp32 ([`identity`][commjax.compressors.sparse.identity], one
+        all-reduce) or bf16
+        ([`cast`][commjax.compressors.sparse.cast], packed words summed in fp32 by the two-phase
+        reducer)."""
         return identity() if self.values_dtype_name == "float32" else cast(jnp.bfloat16)
 
     def local_metrics(self, x, segments):
@@ -529,7 +533,7 @@ def random_k(ratio: float = 0.01, *, rescale: bool = False, values_dtype: Any = 
     """Random-k sparsification with a mask shared by every replica: no indices travel.
 
     Each step, ``k = clip(ceil(ratio * s), 1, s)`` positions of every leaf of ``s``
-    elements are drawn from the per-step key that :func:`commjax.compressed_mean` makes
+    elements are drawn from the per-step key that [`commjax.compressed_mean`][] makes
     identically on all replicas (``fold_in(key, step)``), so the mask changes every step
     but is the same everywhere. Only the ``k`` values are sent and summed with one
     all-reduce::
@@ -566,7 +570,8 @@ def random_k(ratio: float = 0.01, *, rescale: bool = False, values_dtype: Any = 
 
 @dataclasses.dataclass(frozen=True)
 class Threshold(_SparseDecode, Compressor):
-    """Send the entries with ``|x_i| >= tau``, at most ``capacity`` (see :func:`threshold`)."""
+    """Send the entries with ``|x_i| >= tau``, at most ``capacity`` (see
+    [`threshold`][commjax.compressors.sparse.threshold])."""
 
     tau: float = 1e-3
     capacity: int = 1024
@@ -629,7 +634,7 @@ def threshold(tau: float, capacity: int, *, values_dtype: Any = jnp.float32) -> 
     ``4 * capacity`` of uint32 indices per replica, all-gathered:
     ``(N - 1) * 8 * capacity`` bytes per device.
 
-    Per-step metrics (``state.metrics`` of :func:`commjax.compressed_mean`, per replica):
+    Per-step metrics (``state.metrics`` of [`commjax.compressed_mean`][], per replica):
     ``density`` (fraction of entries actually sent) and ``dropped`` (entries over the
     threshold that did not fit).
 
