@@ -12,7 +12,7 @@ and sends only the compressed change of the estimate::
 feedback (one payload per compressed leaf per step); one more parameter-sized state
 (``G``, replicated).
 
-It is built on the classic step of :func:`commjax.compressed_mean`, whose worker residual
+It is built on the classic step of [`commjax.compressed_mean`][], whose worker residual
 ``r_i`` then holds ``-g_i``: the classic step encodes ``x_i = grad_i + r_i = grad_i -
 g_i``, sends ``C(x_i)`` and leaves ``e_i = x_i - C(x_i)``, from which
 ``r_i' = -(g_i + C(x_i)) = e_i - grad_i``. Only compressed leaves have an estimate;
@@ -36,7 +36,7 @@ class EF21State(NamedTuple):
     """State of ``compressed_mean(error_feedback="ef21")``.
 
     Attributes:
-      inner: the classic :class:`commjax.CompressedMeanState`, whose ``residual`` holds
+      inner: the classic [`commjax.CompressedMeanState`][], whose ``residual`` holds
         ``-g_i``, this worker's negated gradient estimate (per replica).
       estimate: ``G``, the mean of the workers' estimates: one flat float32 array per
         compressed leaf (as ``inner.residual``), replicated.
