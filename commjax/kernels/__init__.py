@@ -5,27 +5,32 @@ Each function takes ``impl`` (the codecs pass their ``kernels`` field): ``"auto"
 ``None`` for ``$COMMJAX_KERNELS`` if set, else ``"auto"``. ``auto`` runs the reference on
 every backend whose compiled kernels have not passed the on-device check (all of them
 today: the Mosaic GPU kernels have never run on a GPU); see
-:mod:`commjax.kernels._dispatch`. Results do not depend on ``impl``: every
+``commjax.kernels._dispatch``. Results do not depend on ``impl``: every
 implementation computes the bits of the reference.
 
-Kernels (references in :mod:`commjax.kernels.reference`):
+Kernels (references in ``commjax.kernels.reference``):
 
-* :func:`quantize_blocks` -- error feedback + blockwise absmax quantization + bit-plane
+* [`quantize_blocks`][commjax.kernels.quantize_blocks] -- error feedback + blockwise absmax
+  quantization + bit-plane
   packing in one pass (``cj.quantize`` 8/4/2 bits, TernGrad), stochastic rounding from
   uniforms passed in; outputs the wire rows and, if asked, the decoded values or the
   new residual;
-* :func:`sign_blocks` -- error feedback + scaled sign + 1-bit packing;
-* :func:`decode_rows`, :func:`decode_sum` -- unpack + dequantize (+ sum over the ``N``
+* [`sign_blocks`][commjax.kernels.sign_blocks] -- error feedback + scaled sign + 1-bit packing;
+* [`decode_rows`][commjax.kernels.decode_rows], [`decode_sum`][commjax.kernels.decode_sum] --
+  unpack + dequantize (+ sum over the ``N``
   payloads a replica receives, in replica order, fp32);
-* :func:`fp8_blocks` -- error feedback + blockwise scaled FP8 rounding (nearest or
+* [`fp8_blocks`][commjax.kernels.fp8_blocks] -- error feedback + blockwise scaled FP8 rounding
+  (nearest or
   stochastic) + 4 codes per word (``cj.fp8``);
-* :func:`lossless_encode` -- the fixed-rate lossless code of bfloat16 patterns
+* [`lossless_encode`][commjax.kernels.lossless_encode] -- the fixed-rate lossless code of bfloat16
+  patterns
   (``cj.lossless``);
-* :func:`pack_codes`, :func:`unpack_codes` -- the bit-plane format of
-  :mod:`commjax.packing` alone.
+* [`pack_codes`][commjax.kernels.pack_codes], [`unpack_codes`][commjax.kernels.unpack_codes] -- the
+  bit-plane format of
+  [`commjax.packing`][] alone.
 
 Lowerings: Mosaic TPU (row-tiled ``pallas_call``), Mosaic GPU
-(:mod:`commjax.kernels.mosaic_gpu`, ``plgpu.kernel``), interpret mode anywhere.
+(``commjax.kernels.mosaic_gpu``, ``plgpu.kernel``), interpret mode anywhere.
 """
 
 from __future__ import annotations
