@@ -1,6 +1,6 @@
 """Bit-plane packing of one tile of rows, as kernel bodies compute it.
 
-The same wire format as :mod:`commjax.packing` (bit ``j`` of word ``w`` of plane ``k`` is
+The same wire format as [`commjax.packing`][] (bit ``j`` of word ``w`` of plane ``k`` is
 bit ``k`` of code ``32 w + j``), written for a tile whose rows are whole blocks of
 ``B = 32 W`` codes: a row is viewed as ``W`` groups of 32 lanes, and each plane word is
 the sum of ``bit << lane`` over its group (distinct bit positions: the sum is an OR and
