@@ -1,7 +1,7 @@
 """Which implementation of a kernel runs, chosen by an argument; the one function that
 runs it; and the helpers every implementation shares.
 
-Every kernel in :mod:`commjax.kernels` is a pair: a Pallas kernel and a pure-jnp
+Every kernel in [`commjax.kernels`][] is a pair: a Pallas kernel and a pure-jnp
 reference that computes the same bits. Each kernel function takes ``impl``:
 
 ==============  ==========================================================================
@@ -9,7 +9,8 @@ reference that computes the same bits. Each kernel function takes ``impl``:
 ==============  ==========================================================================
 ``None``        ``$COMMJAX_KERNELS`` if set, else ``"auto"`` (read when the caller is
                 traced)
-``"auto"``      :func:`auto_impl` of the default backend: the reference on every backend
+``"auto"``      [`auto_impl`][commjax.kernels._dispatch.auto_impl] of the default backend: the
+reference on every backend
                 today (see below)
 ``"pallas"``    the compiled kernel for whichever platform the computation is *lowered*
                 for (Mosaic TPU, Mosaic GPU on CUDA; ``lax.platform_dependent``); on CPU
@@ -29,7 +30,7 @@ but never executed on a GPU, and the Mosaic TPU kernels have been lowered only t
 Pallas level (Mosaic's own passes run on a TPU host). An unverified kernel does not go
 into a user's step by default: ``kernels="pallas"`` (or ``COMMJAX_KERNELS=pallas``) opts
 in, and ``benchmarks/gpu_check.sh`` (``benchmarks/kernels.py --check``) is the on-device
-check. A backend joins :data:`VERIFIED_BACKENDS` once that check has passed on it.
+check. A backend joins ``VERIFIED_BACKENDS`` once that check has passed on it.
 
 Two things JAX does not do with a ``pallas_call`` and that callers must know:
 
@@ -44,7 +45,7 @@ Two things JAX does not do with a ``pallas_call`` and that callers must know:
   a kernel whose inputs *vary* over a manual axis runs the reference instead (same
   bits); invariant inputs (all-gathered payloads) and ``check_vma=False`` run the
   kernel. Compiled kernels run under both settings: their outputs are typed as varying
-  where their inputs vary (:func:`vary_like`).
+  where their inputs vary (``vary_like``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ VERIFIED_BACKENDS: frozenset = frozenset()
 
 
 def check_impl(impl: Any, where: str, argument: str = "impl") -> Optional[str]:
-    """``impl`` if it is ``None`` or one of :data:`IMPLS`, else an error naming the
+    """``impl`` if it is ``None`` or one of ``IMPLS``, else an error naming the
     argument and the valid values."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(
@@ -118,7 +119,7 @@ def out_type(shape: Sequence[int], dtype: Any) -> Any:
     Under ``shard_map(check_vma=True)`` a ``ShapeDtypeStruct`` output must name its
     manual-axis type (a keyword whose name differs between JAX versions); a plain
     ``ShapedArray`` is taken as is, as an invariant value. Kernel wrappers then mark their
-    outputs as varying where their inputs vary (:func:`vary_like`).
+    outputs as varying where their inputs vary (``vary_like``).
     """
     return jax.core.ShapedArray(tuple(int(s) for s in shape), jnp.dtype(dtype))
 
