@@ -7,8 +7,10 @@ Every scaled block codec (quantize, QSGD, TernGrad, sign) decodes a row
             = 2 c_i - 1                    (step 2, offset 1: sign, l in {-1, +1})
     y_hat_i = l_i * (s / divisor)          (divisor None: l_i * s)
 
-:func:`decode_rows` decodes one payload ``uint32[nb, R] -> float32[nb, B]``.
-:func:`decode_sum` decodes the ``N`` payloads a replica receives in the two-phase
+[`decode_rows`][commjax.kernels.decode.decode_rows] decodes one payload ``uint32[nb, R] ->
+float32[nb, B]``.
+[`decode_sum`][commjax.kernels.decode.decode_sum] decodes the ``N`` payloads a replica receives in
+the two-phase
 reducer (or the all-gather reducer), ``uint32[N, nb, R] -> float32[nb, B]``, and sums them
 in replica order in fp32, starting from zeros exactly like the reducers' loop::
 
@@ -16,7 +18,7 @@ in replica order in fp32, starting from zeros exactly like the reducers' loop::
 
 so that the sum is deterministic and identical on every replica. Every decoded value,
 summed or not, is rounded to fp32 before any later use
-(:func:`commjax.kernels._dispatch.fence`, in the reference and the kernels): left
+([`commjax.kernels._dispatch.fence`][], in the reference and the kernels): left
 alone, a compiler may fuse ``acc + l * q`` (or a caller's ``p + l * q``) into a
 multiply-add, and whether it does depends on what else is fused into the same loop,
 which differs between a kernel and XLA's graph of the reference. The kernel reads each
@@ -25,7 +27,7 @@ sum once (4 bytes per element), where the reference materialises ``N`` decoded v
 
 Lowerings: Mosaic TPU and interpret mode (``pallas_call`` over (row tiles, replicas),
 the replica axis innermost and accumulated in the output block); Mosaic GPU
-(:mod:`commjax.kernels.mosaic_gpu`). Blocks whose size is not a multiple of 32 use the
+(``commjax.kernels.mosaic_gpu``). Blocks whose size is not a multiple of 32 use the
 reference everywhere.
 """
 
@@ -51,7 +53,7 @@ __all__ = ["decode_rows", "decode_sum"]
 
 def decode_tile(row, q, *, bits: int, block_size: int, offset: int, step: int):
     """One tile of rows, as every kernel body computes it (values, not refs): ``q`` is
-    the tile's ``[T, 1]`` slice of :func:`~commjax.kernels.reference.row_steps`."""
+    the tile's ``[T, 1]`` slice of ``row_steps``."""
     codes = unpack_tile(row[:, :row.shape[1] - 1], bits, block_size)
     return fence(levels_of(codes, offset=offset, step=step) * q, q)
 
@@ -118,7 +120,7 @@ def decode_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, ste
                 divisor: Optional[int] = None, tile: Optional[int] = None,
                 impl: Optional[str] = None) -> jax.Array:
     """Decode one payload ``uint32[nb, bits * ceil(B/32) + 1] -> float32[nb, B]``.
-    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
+    ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     opts = _options(bits, block_size, offset, step, divisor)
     words = packing.packed_words(block_size, bits) + 1
     if rows.ndim != 2 or rows.shape[1] != words:
@@ -137,7 +139,7 @@ def decode_sum(rows: jax.Array, *, bits: int, block_size: int, offset: int, step
                divisor: Optional[int] = None, tile: Optional[int] = None,
                impl: Optional[str] = None) -> jax.Array:
     """Decode ``N`` payloads ``uint32[N, nb, R]`` and sum them in replica order: ``float32[nb, B]``.
-    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
+    ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     opts = _options(bits, block_size, offset, step, divisor)
     words = packing.packed_words(block_size, bits) + 1
     if rows.ndim != 3 or rows.shape[2] != words:
