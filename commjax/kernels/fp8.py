@@ -91,7 +91,7 @@ def fp8_tile(x, u, e, c, step, scale_word, *, fmt: Fp8Format, output: Optional[s
 
 def _constants(x, residual, fmt: Fp8Format):
     """Per-row ``[nb, 1]`` ``(c, step, scale_word)`` of ``y = x + e``, computed by XLA
-    (:func:`commjax.kernels.reference.row_constants`: a NaN or Inf makes ``s`` NaN)."""
+    (``commjax.kernels.reference.row_constants``: a NaN or Inf makes ``s`` NaN)."""
     scale, c, step = row_constants(x, residual, levels=int(fmt.fmax))
     return c[:, None], step[:, None], lax.bitcast_convert_type(scale, jnp.uint32)[:, None]
 
@@ -145,7 +145,7 @@ def fp8_blocks(
     ``float32[nb, B]`` output (``output``: ``"decoded"``, ``"residual"`` or ``None``).
     ``fmt``: ``"e4m3"`` or ``"e5m2"``; ``uniforms``: noise for stochastic rounding
     (``None``: nearest, half to even); ``impl``: as for
-    :func:`commjax.kernels.quantize_blocks`.
+    [`commjax.kernels.quantize_blocks`][].
     """
     if fmt not in FP8_FORMATS or output not in _OUTPUTS:
         raise ValueError(f"fp8_blocks: `fmt` must be one of {tuple(FP8_FORMATS)} and `output` one "
