@@ -27,7 +27,7 @@ The sign and the 7 mantissa bits travel raw, so every pattern (NaN payloads, +-i
 subnormals, -0) decodes to itself: ``e_i = 0`` for code ``2**d - 1``, ``r_i - code``
 otherwise, then each escape slot writes its exponent back at its index. A row whose
 ``overflow`` bit is set lost exponents: the reducers read the bit
-(:meth:`commjax.compressors.lossless.Lossless.payload_overflow`) and send the raw
+([`commjax.compressors.lossless.Lossless.payload_overflow`][]) and send the raw
 fallback instead, on every replica.
 
 Words per row: ``d B / 32 + B / 4 + ceil((E + 1) / 2) + 1`` (``B`` a multiple of 32, at
@@ -133,7 +133,7 @@ def lossless_encode(h: jax.Array, *, delta_bits: int, escapes: int, tile: Option
                     impl: Optional[str] = None) -> jax.Array:
     """Encode the rows of ``h: uint32[nb, B]`` (16-bit float patterns; maths in the
     module docstring): ``uint32[nb, lossless_words(B, d, E)]``. ``impl``: as for
-    :func:`commjax.kernels.quantize_blocks`."""
+    [`commjax.kernels.quantize_blocks`][]."""
     if h.ndim != 2 or h.shape[1] % 32 or not 32 <= h.shape[1] <= 256:
         raise ValueError(f"lossless_encode: `h` must be [num_blocks, B] with B a multiple of 32 "
                          f"in [32, 256], got shape {h.shape}.")
