@@ -26,14 +26,14 @@ lowering, so stochastic rounding uses ``t - (t > v)`` with ``t`` the truncation 
 codes for every finite ``v`` of the codec's range, ``|v| <= L + 1``).
 
 Fused multiply-adds: ``q = y * (L / s)`` and the decoded value ``l * step`` go through
-the integer fence of :func:`commjax.kernels._dispatch.fence` before they meet an addition,
+the integer fence of [`commjax.kernels._dispatch.fence`][] before they meet an addition,
 as in the references, so no contraction choice of the GPU compiler changes a bit.
 
 Not verified here: nothing of this file runs on a CPU machine. The tests check that
 every kernel *lowers* for CUDA (Mosaic GPU's layout checks run at lowering), and run the
 same word-row algorithm with plain jnp (``emulate=True``) against the references bit
 for bit; the GPU run is ``benchmarks/gpu_check.sh``. Until it has passed, ``auto`` does
-not run these kernels (:func:`commjax.kernels._dispatch.auto_impl`).
+not run these kernels ([`commjax.kernels._dispatch.auto_impl`][]).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def _quantize(x, uniforms, residual, *, bits, levels, output, emulate):
 
 def quantize_kernel(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str],
                     emulate: bool = False):
-    """The Mosaic GPU kernel for :func:`commjax.kernels.quantize_blocks`, or ``None``.
+    """The Mosaic GPU kernel for [`commjax.kernels.quantize_blocks`][], or ``None``.
     ``emulate``: the same word-row algorithm with jnp (runs anywhere; for the tests)."""
     if not supported(x.shape[1]):
         return None
@@ -254,7 +254,7 @@ def quantize_kernel(x, uniforms, residual, *, bits: int, levels: int, output: Op
 
 
 def _sign_tiles(xw, ew, s, *, tiles, output, emulate):
-    """``([1, M] plane, [M, 32] output or None)``, as :func:`_quantize_tiles`."""
+    """``([1, M] plane, [M, 32] output or None)``, as ``_quantize_tiles``."""
     if emulate:
         lane = lax.broadcasted_iota(jnp.uint32, xw.shape, 1)
         words, out = _sign_math(xw, ew, s[:, None], lane, output=output)
@@ -302,8 +302,8 @@ def _sign(x, residual, *, output, emulate):
 
 
 def sign_kernel(x, residual, *, output: Optional[str], emulate: bool = False):
-    """The Mosaic GPU kernel for :func:`commjax.kernels.sign_blocks`, or ``None``
-    (``emulate``: as for :func:`quantize_kernel`)."""
+    """The Mosaic GPU kernel for [`commjax.kernels.sign_blocks`][], or ``None``
+    (``emulate``: as for ``quantize_kernel``)."""
     if not supported(x.shape[1]):
         return None
     return functools.partial(_sign, output=output, emulate=emulate)
@@ -314,7 +314,7 @@ def sign_kernel(x, residual, *, output: Optional[str], emulate: bool = False):
 
 def _decode_tiles(planes, q, *, tiles, bits, offset, step, accumulate, emulate):
     """``[M, 32]``: the decoded word rows of ``[N, bits, M]`` planes with ``[N, M]`` steps
-    (summed over ``N`` in order from zeros if ``accumulate``), as :func:`_quantize_tiles`."""
+    (summed over ``N`` in order from zeros if ``accumulate``), as ``_quantize_tiles``."""
     n_rep, _, m = planes.shape
     opts = dict(bits=bits, offset=offset, step=step)
     if emulate:
@@ -382,8 +382,8 @@ def _decode(rows, *, accumulate, bits, block_size, offset, step, divisor, emulat
 
 def decode_kernel(rows, *, accumulate: bool, bits: int, block_size: int, offset: int, step: int,
                   divisor: Optional[int], emulate: bool = False):
-    """The Mosaic GPU kernel for :func:`commjax.kernels.decode_rows` / ``decode_sum``, or
-    ``None`` (``emulate``: as for :func:`quantize_kernel`)."""
+    """The Mosaic GPU kernel for [`commjax.kernels.decode_rows`][] / ``decode_sum``, or
+    ``None`` (``emulate``: as for ``quantize_kernel``)."""
     if not supported(block_size):
         return None
     return functools.partial(_decode, accumulate=accumulate, bits=bits, block_size=block_size,
