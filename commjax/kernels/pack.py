@@ -1,6 +1,6 @@
-"""Pack / unpack kernels for the bit-plane wire format of :mod:`commjax.packing`.
+"""Pack / unpack kernels for the bit-plane wire format of [`commjax.packing`][].
 
-References: :func:`commjax.packing.pack_codes` and :func:`commjax.packing.unpack_codes`
+References: [`commjax.packing.pack_codes`][] and [`commjax.packing.unpack_codes`][]
 (pure jnp, the format's definition). The kernels produce the same words bit for bit.
 
 Memory traffic per element of a ``bits``-bit code: pack reads 4 bytes and writes
@@ -13,8 +13,8 @@ reference on every backend.
 With ``impl="auto"`` these standalone passes use the reference: a separate pass materialises
 the codes (4 bytes per element), where XLA fuses the reference's shifts with the
 producer or consumer of the codes. The hot paths are the fused codec kernels of
-:mod:`commjax.kernels.quantize`, :mod:`commjax.kernels.sign` and
-:mod:`commjax.kernels.decode`, which pack and unpack in registers; these two kernels run
+``commjax.kernels.quantize``, ``commjax.kernels.sign`` and
+``commjax.kernels.decode``, which pack and unpack in registers; these two kernels run
 with ``impl="pallas"`` and ``"interpret"`` (and serve as their building blocks' tests). They
 have no Mosaic GPU version (the reference runs there whatever ``impl``).
 """
@@ -72,8 +72,9 @@ def _unpack_pallas(words: jax.Array, *, bits: int, block: int, tile: Optional[in
 
 def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None,
                impl: Optional[str] = None) -> jax.Array:
-    """Kernel-dispatched :func:`commjax.packing.pack_codes`: ``codes[..., B] -> uint32[..., bits * ceil(B/32)]``.
-    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
+    """Kernel-dispatched [`commjax.packing.pack_codes`][]: ``codes[..., B] ->
+    uint32[..., bits * ceil(B/32)]``.
+    ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     _check_bits(bits)
     impl = resolve_impl(impl, "pack_codes")
     reference = functools.partial(packing.pack_codes, bits=bits)
@@ -87,8 +88,9 @@ def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None,
 
 def unpack_codes(words: jax.Array, bits: int, block_size: int, *, tile: Optional[int] = None,
                  impl: Optional[str] = None) -> jax.Array:
-    """Kernel-dispatched :func:`commjax.packing.unpack_codes`: ``uint32[..., bits * W] -> uint32[..., block_size]``.
-    ``impl``: as for :func:`commjax.kernels.quantize_blocks`."""
+    """Kernel-dispatched [`commjax.packing.unpack_codes`][]: ``uint32[..., bits * W] ->
+    uint32[..., block_size]``.
+    ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     _check_bits(bits)
     impl = resolve_impl(impl, "unpack_codes")
     reference = functools.partial(packing.unpack_codes, bits=bits, block_size=block_size)
