@@ -9,28 +9,28 @@ residual ``e`` and uniform randoms ``u``::
     l_i = clip(floor(q_i + u_i), -L, L)            stochastic rounding, E[l_i] = q_i
         = clip(round_half_even(q_i), -L, L)        without u
     c_i = l_i + L                                  (unsigned code, ``bits`` wide)
-    row = [pack(c) | bitcast_u32(s)]               (see :mod:`commjax.packing`)
+    row = [pack(c) | bitcast_u32(s)]               (see [`commjax.packing`][])
     y_hat_i = (c_i - L) * (s / L)                  decoded value, rounded to fp32
     out = y_hat  or  y - y_hat  (the new residual)
 
 ``q`` and ``y_hat`` are products that meet a later addition; both are rounded to fp32
-before it (:func:`commjax.kernels._dispatch.fence`) in the reference and in the kernels
+before it ([`commjax.kernels._dispatch.fence`][]) in the reference and in the kernels
 alike, so no compiler's fused multiply-add changes a code or a residual.
 
-``L = 2**(bits-1) - 1`` for :func:`commjax.quantize` (127, 7, 1 for 8, 4, 2 bits);
+``L = 2**(bits-1) - 1`` for [`commjax.quantize`][] (127, 7, 1 for 8, 4, 2 bits);
 TernGrad is the case ``bits=2, L=1`` with stochastic rounding.
 
 Traffic per element: XLA first reads ``x`` (and ``e``) for the per-block constants
-(:func:`commjax.kernels.reference.row_constants`), then the kernel reads ``x`` (and
+(``commjax.kernels.reference.row_constants``), then the kernel reads ``x`` (and
 ``e``, ``u``: 4 bytes each) and writes ``bits / 8 + 4 / B`` bytes of payload plus, if
 asked, 4 bytes of decoded value or residual; the reference leaves the fusion to XLA.
 
-Randomness comes in as ``u`` (:func:`commjax.noise.uniform` outside the kernel) so that the
+Randomness comes in as ``u`` ([`commjax.noise.uniform`][] outside the kernel) so that the
 kernel and the reference see the same noise on every backend; there is no in-kernel
 RNG.
 
 Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``); Mosaic GPU
-(:mod:`commjax.kernels.mosaic_gpu`). Blocks whose size is not a multiple of 32 use the
+(``commjax.kernels.mosaic_gpu``). Blocks whose size is not a multiple of 32 use the
 reference everywhere. Inputs must be finite (``compressed_mean`` zeroes non-finite
 leaves before encoding): the codes of a NaN block are unspecified, its scale word is
 NaN on every path, so it decodes to NaN.
@@ -60,7 +60,7 @@ OUTPUTS = (None, "decoded", "residual")
 def quantize_tile(x, u, e, c, sl, scale_word, *, bits: int, levels: int, output: Optional[str]):
     """One tile of rows, as every kernel body computes it (values, not refs): ``c``,
     ``sl``, ``scale_word`` are the tile's ``[T, 1]`` slices of
-    :func:`~commjax.kernels.reference.row_constants`."""
+    ``row_constants``."""
     if e is not None:
         x = x + e.astype(jnp.float32)
     q = fence(x * c, c)
@@ -105,7 +105,8 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
 
 
 def _check(x, uniforms, residual, bits, levels, output) -> int:
-    """The arguments of :func:`quantize_blocks` checked; returns ``L``."""
+    """The arguments of [`quantize_blocks`][commjax.kernels.quantize.quantize_blocks] checked;
+    returns ``L``."""
     if not 2 <= bits <= 16:
         raise ValueError(f"quantize_blocks: `bits` must be in [2, 16], got {bits!r}.")
     max_levels = 2 ** (bits - 1) - 1
@@ -137,7 +138,7 @@ def quantize_blocks(
 
     Args:
       x: one codec block per row.
-      bits: code width (2..16; :func:`commjax.quantize` uses 8, 4, 2).
+      bits: code width (2..16; [`commjax.quantize`][] uses 8, 4, 2).
       levels: ``L``, at most ``2**(bits-1) - 1`` (the default).
       uniforms: ``float32[nb, B]`` in ``[0, 1)`` for stochastic rounding; ``None`` rounds
         to nearest (half to even).
@@ -146,7 +147,7 @@ def quantize_blocks(
       output: ``"decoded"`` (``y_hat``), ``"residual"`` (``y - y_hat``) or ``None``.
       tile: rows per grid step (default: chosen per backend).
       impl: ``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``
-        (``$COMMJAX_KERNELS``, else ``"auto"``): see :mod:`commjax.kernels._dispatch`.
+        (``$COMMJAX_KERNELS``, else ``"auto"``): see ``commjax.kernels._dispatch``.
 
     Returns:
       ``(rows, out)``: ``uint32[nb, bits * ceil(B/32) + 1]`` wire rows and the requested
