@@ -1,22 +1,23 @@
 """The pure-jnp references of the codec kernels, and the per-row constants every
 implementation takes from XLA.
 
-Each kernel of :mod:`commjax.kernels` computes the same bits as its reference here; the
+Each kernel of [`commjax.kernels`][] computes the same bits as its reference here; the
 references are the codecs' own arithmetic and the oracle of the tests. This module is
-the one both the Pallas kernels (:mod:`commjax.kernels.quantize`, ``sign``, ``decode``)
-and the Mosaic GPU kernels (:mod:`commjax.kernels.mosaic_gpu`) import, so that neither
+the one both the Pallas kernels (``commjax.kernels.quantize``, ``sign``, ``decode``)
+and the Mosaic GPU kernels (``commjax.kernels.mosaic_gpu``) import, so that neither
 imports the other's module.
 
 Rounding rules shared by every implementation (why: XLA's CPU backend, LLVM and kernel
 compilers each decide for themselves whether to contract ``a * b + c`` into one fused
 multiply-add, and the decision depends on everything else fused into the same loop):
 
-* every product that meets a later addition goes through :func:`fence` first, so it is
+* every product that meets a later addition goes through [`fence`][commjax.kernels.reference.fence]
+  first, so it is
   rounded to fp32 in every implementation and whatever the fusion: the quantizer's
   ``q = y * (L / s)`` before ``+ u``, and every decoded value ``l * step`` before it
   is subtracted (the residual), summed (``decode_sum``) or handed to the caller;
 * per-row constants (``L / s``, ``s / L``, ``mean |y|``) are computed by XLA with one
-  expression (:func:`row_constants`, :func:`row_scales`, :func:`row_steps`) and passed
+  expression (``row_constants``, ``row_scales``, ``row_steps``) and passed
   to the kernels: XLA rewrites a division by a constant as a multiplication by its
   reciprocal, and a row sum's order depends on the whole array's shape, which no
   kernel can reproduce.
@@ -64,7 +65,7 @@ def feedback_sum(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
     reshapes it to rows itself (``y.reshape(x.shape)``, one reshape per consumer).
 
     Why flat: where a consumer takes the flat ``y`` as it is (the conditional of
-    :func:`row_scales`), XLA's CPU fusion writes ``y`` once and the scale reduction, the
+    ``row_scales``), XLA's CPU fusion writes ``y`` once and the scale reduction, the
     packing and the residual each read it. Added in row shape, the sum is fused, as
     ``add(bitcast x, bitcast e)``, into the packing and the residual as well, which then
     read ``x`` and ``e`` again: two more passes over the block per sign encode
@@ -96,7 +97,7 @@ def row_absmax(y: jax.Array) -> jax.Array:
 #: The smallest normal fp32, ``2**-126``: products below it are flushed to zero by XLA on
 #: CPU, by TPUs and by GPU code compiled with flush-to-zero.
 TINY = 2.0 ** -126
-#: The per-row pre-scale of :func:`row_prescale` for huge rows, ``2**-64``.
+#: The per-row pre-scale of ``row_prescale`` for huge rows, ``2**-64``.
 HUGE_PRESCALE = 2.0 ** -64
 
 
@@ -116,7 +117,7 @@ def row_prescale(scale: jax.Array, levels: float) -> Optional[jax.Array]:
 
 def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: float):
     """Per-row ``(s, c, s / L)`` of ``y = x + e`` with ``c = L / (s p)``
-    (:func:`row_prescale`; ``p = 1`` but for huge rows of ``L < 4``), 0 where ``s = 0``.
+    (``row_prescale``; ``p = 1`` but for huge rows of ``L < 4``), 0 where ``s = 0``.
 
     ``s`` is the absmax ``max |y|``, exact in any order, with two floors and a flag:
 
@@ -149,7 +150,7 @@ def quantize_reference(
     output: Optional[str],
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """Blockwise absmax quantization of the rows of ``x`` (maths in
-    :mod:`commjax.kernels.quantize`): ``(rows, decoded | residual | None)``."""
+    ``commjax.kernels.quantize``): ``(rows, decoded | residual | None)``."""
     y = feedback_sum(x, residual)
     scale, c, step = row_constants(y.reshape(x.shape), None, levels=levels)
     x = y.reshape(x.shape)
@@ -198,7 +199,7 @@ def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
 def sign_reference(
     x: jax.Array, residual: Optional[jax.Array], *, output: Optional[str]
 ) -> tuple[jax.Array, Optional[jax.Array]]:
-    """Scaled sign of the rows of ``x`` (maths in :mod:`commjax.kernels.sign`).
+    """Scaled sign of the rows of ``x`` (maths in ``commjax.kernels.sign``).
 
     ``(2 b - 1) * s`` is ``+-s`` exactly, so the decoded value needs no fence."""
     y = feedback_sum(x, residual)
@@ -239,7 +240,7 @@ def decode_reference(rows: jax.Array, *, bits: int, block_size: int, offset: int
 
 
 def decode_sum_reference(rows: jax.Array, **opts: Any) -> jax.Array:
-    """Sum of :func:`decode_reference` over the leading (replica) axis, in order, from
+    """Sum of ``decode_reference`` over the leading (replica) axis, in order, from
     fp32 zeros."""
     total = jnp.zeros((rows.shape[1], opts["block_size"]), jnp.float32)
     for r in range(rows.shape[0]):
