@@ -13,14 +13,14 @@ Bit-exactness: ``s`` is a floating-point *sum*, whose last bit depends on the or
 the additions, and XLA's own order for a row reduction depends on the shape of the whole
 array (seen on CPU: the same row sums differently in an array of 17 rows and in one of 8).
 No kernel can promise XLA's order, so the scales are computed by XLA, with the
-reference's own expression (:func:`commjax.kernels.reference.row_scales`), and handed to the kernel,
+reference's own expression (``commjax.kernels.reference.row_scales``), and handed to the kernel,
 which fuses everything else. Traffic: the scale pass reads ``y``'s inputs (4 bytes per
 element, 8 with ``e``), the kernel reads them again and writes ``1/8 + 4/B`` bytes of
 payload plus 4 bytes of decoded value or residual if asked; the reference's unfused
 graph moves about twice as much.
 
 Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``); Mosaic GPU
-(:mod:`commjax.kernels.mosaic_gpu`). Blocks whose size is not a multiple of 32 use the
+(``commjax.kernels.mosaic_gpu``). Blocks whose size is not a multiple of 32 use the
 reference everywhere.
 """
 
@@ -48,7 +48,7 @@ _OUTPUTS = (None, "decoded", "residual")
 def sign_tile(x, e, scale, *, output: Optional[str]):
     """One tile of rows, as every kernel body computes it (values, not refs);
     ``scale`` is the tile's ``float32[T, 1]`` slice of
-    :func:`~commjax.kernels.reference.row_scales`."""
+    ``row_scales``."""
     if e is not None:
         x = x + e.astype(jnp.float32)
     bits = (x >= 0).astype(jnp.uint32)
@@ -95,7 +95,7 @@ def sign_blocks(
 
     Returns ``(rows, out)``: ``uint32[nb, ceil(B/32) + 1]`` wire rows and the requested
     ``float32[nb, B]`` output (``output``: ``"decoded"``, ``"residual"`` or ``None``).
-    ``impl``: as for :func:`commjax.kernels.quantize_blocks`.
+    ``impl``: as for [`commjax.kernels.quantize_blocks`][].
     """
     if output not in _OUTPUTS:
         raise ValueError(f"sign_blocks: `output` must be one of {_OUTPUTS}, got {output!r}.")
