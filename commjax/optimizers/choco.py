@@ -23,7 +23,8 @@ per neighbour direction), plus one fp32 all-reduce of a non-finite flag per leaf
 against the exact all-reduce's ``2 (N-1)/N * 4`` (N = 8: 24.9x fewer).
 
 Parameters are per replica (``cj.data_parallel(..., per_replica_params=True)``); the
-replicas agree only approximately: :func:`consensus_distance` measures how far apart.
+replicas agree only approximately:
+[`consensus_distance`][commjax.optimizers.choco.consensus_distance] measures how far apart.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ TOPOLOGIES = ("ring", "torus")
 
 @per_replica("public", "neighbours", "inner_state", "metrics")
 class ChocoState(NamedTuple):
-    """State of :func:`choco`.
+    """State of [`choco`][commjax.optimizers.choco.choco].
 
     Attributes:
       count: int32 scalar, replicated: steps taken.
@@ -212,7 +213,7 @@ def choco(inner: optax.GradientTransformation, axis_name: Any = "data", *,
         replica's own gradient.
       axis_name: the mesh axis of the replicas (bound by ``shard_map``/``pmap``).
       codec: the gossip codec: ``cj.sign()``, ``cj.top_k(0.01)``, ``cj.quantize(bits=4)``...
-        (any codec a :func:`commjax.collectives.ppermute` can send); ``None``: exact fp32.
+        (any codec a [`commjax.collectives.ppermute`][] can send); ``None``: exact fp32.
       topology: ``"ring"`` (2 neighbours) or ``"torus"`` (4, the most square grid).
       gamma: consensus step size in ``(0, 1]``: small for coarse codecs (the public copies
         lag behind), ``1`` with exact gossip (plain neighbourhood averaging).
@@ -221,7 +222,8 @@ def choco(inner: optax.GradientTransformation, axis_name: Any = "data", *,
       seed: seed of the replicated key (stochastic codecs).
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`ChocoState`; its
+      An ``optax.GradientTransformation`` whose state is a
+      [`ChocoState`][commjax.optimizers.choco.ChocoState]; its
       ``update`` needs ``params`` (this replica's own).
     """
     factory = "choco"
@@ -241,7 +243,8 @@ def choco(inner: optax.GradientTransformation, axis_name: Any = "data", *,
 
 
 def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
-    """What one :func:`choco` step sends per device (its :func:`commjax.communication_plan`,
+    """What one [`choco`][commjax.optimizers.choco.choco] step sends per device (its
+    [`commjax.communication_plan`][],
     == the compiled HLO's): the encoded difference to every neighbour, and the NaN flags."""
     leaves = [l for l in jax.tree_util.tree_leaves(params) if _floating(l)]
     k = len(neighbour_perms(num_replicas, cfg.topology))
