@@ -9,12 +9,12 @@ One step on replica ``i`` of ``N`` (all leaves of the compressed bucket at once)
     return m
 
 In stages, each one function: validate (axes bound, gradients unreduced, state shapes),
-plan (:mod:`commjax.plan`: which leaves are exact, compressed or passed through), the
+plan ([`commjax.plan`][]: which leaves are exact, compressed or passed through), the
 inner-axis mean (hierarchical meshes), the exact stage (one fp32 all-reduce of the small
-leaves with one NaN flag per compressed leaf: :func:`commjax.collectives._exact.exact_mean`), the
+leaves with one NaN flag per compressed leaf: ``commjax.collectives._exact.exact_mean``), the
 compressed stage (encode with error feedback and reduce:
-:func:`commjax.collectives._reducers.reduce_parts`, or a stateful exchange such as PowerSGD's:
-:mod:`commjax.exchanges`), then outputs, residuals and metrics.
+``commjax.collectives._reducers.reduce_parts``, or a stateful exchange such as PowerSGD's:
+[`commjax.exchanges`][]), then outputs, residuals and metrics.
 
 The compressed leaves form one *bucket* (one payload, one set of collectives), but its
 full-size float vector is never written for block codecs: each leaf is encoded into its
@@ -54,7 +54,7 @@ _INIT_SALT = 0xC0DE
 
 @per_replica("residual", "server_residual", "metrics")
 class CompressedMeanState(NamedTuple):
-    """State of :func:`compressed_mean`.
+    """State of [`compressed_mean`][commjax.transform.compressed_mean].
 
     Attributes:
       count: int32 scalar, replicated. Exchanges done so far.
@@ -292,7 +292,7 @@ def _real_parts(leaf) -> list:
 
 
 def _from_real_parts(means: list, leaf):
-    """The inverse of :func:`_real_parts`, in the leaf's shape and dtype."""
+    """The inverse of ``_real_parts``, in the leaf's shape and dtype."""
     if len(means) == 2:
         return (means[0] + 1j * means[1]).reshape(leaf.shape).astype(leaf.dtype)
     return means[0].reshape(leaf.shape).astype(leaf.dtype)
@@ -315,7 +315,7 @@ class _Compressed(NamedTuple):
 def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _Compressed:
     """Encode and reduce the compressed leaves (each its own padded part; the joined
     float bucket is never written for block codecs), with error feedback. Returns the new
-    states as computed: a non-finite step's are discarded by :func:`_update`."""
+    states as computed: a non-finite step's are discarded by ``_update``."""
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
     segs = plan.segments
     parts = [jnp.pad(jnp.ravel(leaves[i]).astype(jnp.float32), (0, s.padded_size - s.size))
@@ -533,8 +533,8 @@ def compressed_mean(
     all replicas skip the step together. Wrapped *around* this transform it would test
     each replica's own gradient, and replicas would disagree on whether to communicate.
 
-    Bytes per step and device: see :func:`commjax.communication_plan` (and
-    :class:`commjax.collectives._reducers.Reducer` for the formulas).
+    Bytes per step and device: see [`commjax.communication_plan`][] (and
+    ``commjax.collectives._reducers.Reducer`` for the formulas).
 
     Args:
       compressor: a commjax compressor (``cj.quantize(bits=4)``, ``cj.sign()``, ...).
@@ -546,8 +546,8 @@ def compressed_mean(
         axis; lay it out with ``cj.state_specs(state, axis_name)``.
       error_feedback: keep the worker residual ``e`` (default True); ``"ef21"``: EF21,
         each worker keeps a gradient estimate ``g_i`` and sends ``C(grad - g_i)``, the
-        transform returns the mean estimate (:mod:`commjax.ef21`; state
-        :class:`commjax.ef21.EF21State`, same bytes).
+        transform returns the mean estimate ([`commjax.ef21`][]; state
+        [`commjax.ef21.EF21State`][], same bytes).
       reducer: ``"auto"`` (cheapest valid), ``"allreduce"`` (linear payloads only),
         ``"allgather"`` or ``"two_phase"``.
       min_compress_size: floating leaves with fewer elements go to the exact bucket.
@@ -569,10 +569,11 @@ def compressed_mean(
       seed: seed of the replicated PRNG key (stochastic rounding, random masks).
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`CompressedMeanState`.
+      An ``optax.GradientTransformation`` whose state is a
+      [`CompressedMeanState`][commjax.transform.CompressedMeanState].
       Per-replica parts: ``residual``, ``server_residual``; replicated: ``count``, ``key``.
-      Lay it out for ``shard_map`` with :func:`commjax.shard_state` and
-      :func:`commjax.state_specs`.
+      Lay it out for ``shard_map`` with [`commjax.shard_state`][] and
+      [`commjax.state_specs`][].
 
     Raises:
       ValueError: bad options (named in the message), at construction.
@@ -605,7 +606,7 @@ def compressed_mean(
 
 
 def _plan(cfg: ExchangeConfig, params, num_replicas: int, inner_replicas: int = 1):
-    """This transform's :func:`commjax.communication_plan` (``inner_replicas``: the size of
+    """This transform's [`commjax.communication_plan`][] (``inner_replicas``: the size of
     ``inner_axis_name``)."""
     if cfg.inner_axis_name is None and inner_replicas != 1:
         raise ValueError("communication_plan: `inner_replicas` needs a compressed_mean with "
