@@ -252,3 +252,11 @@ def test_no_words_of_the_development_process():
         if path.suffix in (".md", ".json"):
             assert not pattern.search(path.read_text()), f"{path.name}: {pattern.search(path.read_text())[0]!r}"
 
+
+
+def test_docstrings_use_markdown_cross_references():
+    """The site renders Markdown cross-references as links; a Sphinx role would show as text."""
+    role = re.compile(r":(func|class|meth|attr|mod|data|exc|obj):`")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "commjax").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if role.search(line)]
+    assert not found, f"Sphinx roles (write [`name`][] or [`name`][full.path]): {found[:10]}"
