@@ -32,7 +32,7 @@ def prescale(x: jax.Array, n: int) -> jax.Array:
 
 
 def unscale_mean(total: jax.Array, n: int) -> jax.Array:
-    """The mean from the sum of ``prescale``\ d terms: ``total / (n 2**-k)``."""
+    """The mean from the sum of terms scaled by ``prescale``: ``total / (n 2**-k)``."""
     if not jnp.issubdtype(total.dtype, jnp.inexact):
         return total / n
     return (total / jnp.asarray(n * 2.0 ** -_shift(n), total.dtype)).astype(total.dtype)
