@@ -39,6 +39,7 @@ once), so that the two are comparable.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
@@ -271,12 +272,15 @@ class Transfer:
       every: in the steady state it runs once every ``every`` steps (``1``: every step;
         DiLoCo's sync: ``sync_every``); ``0``: outside the steady state (the first step
         only, warm-up, or only on a step where a payload overflows its code).
+      offset: the steps it runs at, ``t % every == offset`` (0-based steps; DiLoCo's sync:
+        ``sync_every - 1``): transfers with the same period and offset run on the same step.
     """
 
     what: str
     collective: str
     bytes: float
     every: int = 1
+    offset: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,11 +313,12 @@ class CommunicationPlan:
 
     @property
     def peak_bytes(self) -> float:
-        """The most one steady-state step sends: every per-step transfer, plus the largest
-        periodic one (DiLoCo's sync, one Streaming DiLoCo fragment)."""
-        steady = sum(t.bytes for t in self.transfers if t.every == 1)
-        periodic = [t.bytes for t in self.transfers if t.every > 1]
-        return float(steady + max(periodic, default=0.0))
+        """The most one steady-state step sends: the per-step transfers and the periodic ones
+        that fall on the same step (DiLoCo's sync, one Streaming DiLoCo fragment)."""
+        steady = [t for t in self.transfers if t.every]
+        period = math.lcm(*(t.every for t in steady)) if steady else 1
+        return float(max((sum(t.bytes for t in steady if s % t.every == t.offset % t.every)
+                          for s in range(period)), default=0.0))
 
     @property
     def compiled_bytes(self) -> float:
@@ -342,7 +347,7 @@ class CommunicationPlan:
     def table(self) -> str:
         """The transfers, one per line, for printing."""
         rows = [f"{t.what:<28} {t.collective:<22} {t.bytes:>14,.1f} B  "
-                f"{'every step' if t.every == 1 else f'every {t.every} steps' if t.every else 'occasional'}"
+                f"{'every step' if t.every == 1 else f'every {t.every} steps (+{t.offset})' if t.every else 'occasional'}"
                 for t in self.transfers]
         return "\n".join(rows + [self.summary()])
 

@@ -143,7 +143,7 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
         # tx's transfers once per real step, every_k micro-steps apart.
         out = with_plan(out, lambda params, num_replicas, **kw: CommunicationPlan(
             f"accumulate({every_k})", num_replicas,
-            tuple(repeated(planner(params, num_replicas, **kw).transfers, every_k)),
+            tuple(repeated(planner(params, num_replicas, **kw).transfers, every_k, offset=every_k - 1)),
             float_baseline(params, num_replicas)))
     return out
 

@@ -259,11 +259,12 @@ def exact_mean_transfers(what: str, leaves: Sequence[Any], num_replicas: int,
     return [Transfer(what, "all-reduce", sent, every)] if sent else []
 
 
-def repeated(transfers: Sequence[Transfer], every: int, prefix: str = "") -> list[Transfer]:
-    """``transfers`` run once every ``every`` steps instead of every step (those outside
-    the steady state stay outside), their ``what`` prefixed."""
-    return [Transfer(prefix + t.what, t.collective, t.bytes, every if t.every == 1 else t.every)
-            for t in transfers]
+def repeated(transfers: Sequence[Transfer], every: int, prefix: str = "", offset: int = 0) -> list[Transfer]:
+    """``transfers`` run once every ``every`` steps, at the steps ``t % every == offset``,
+    instead of every step (those outside the steady state stay outside), their ``what``
+    prefixed."""
+    return [Transfer(prefix + t.what, t.collective, t.bytes, every, offset) if t.every == 1 else
+            Transfer(prefix + t.what, t.collective, t.bytes, t.every, t.offset) for t in transfers]
 
 
 def float_baseline(params: Any, num_replicas: int) -> float:

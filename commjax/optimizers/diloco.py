@@ -396,5 +396,6 @@ def _plan(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1)
     else:
         sync = repeated(communication_plan(cfg.exchange_tx, deltas, num_replicas).transfers, 1,
                         "pseudo-gradient: ")
-    transfers = group_transfers(cfg, params, inner_replicas) + repeated(sync, cfg.sync_every)
+    transfers = group_transfers(cfg, params, inner_replicas) + repeated(sync, cfg.sync_every,
+                                                                        offset=cfg.sync_every - 1)
     return CommunicationPlan("diloco", num_replicas, tuple(transfers), float_baseline(params, num_replicas))

@@ -428,7 +428,9 @@ def _plan(cfg: _Config, params: Any, num_replicas: int, inner_replicas: int = 1)
         else:
             sync = repeated(communication_plan(cfg.exchanges[f], pieces, num_replicas).transfers, 1,
                             f"fragment {f}: ")
-        transfers += repeated(sync, cfg.sync_every)
+        # Fragment f is sent at the steps t with (t + 1) % H == ((f + 1) H / P) % H.
+        h = cfg.sync_every
+        transfers += repeated(sync, h, offset=((f + 1) * h // cfg.fragments - 1) % h)
     return CommunicationPlan("streaming_diloco", num_replicas, tuple(transfers),
                              float_baseline(leaves, num_replicas))
 
