@@ -243,28 +243,29 @@ def test_everything_kept_is_the_sign_of_the_exact_mean(mesh):
             np.testing.assert_array_equal(np.asarray(u[key])[0][clear], -0.5 * np.sign(mean[clear]))
 
 
-def test_nan_on_one_replica_reaches_every_replica_and_keeps_the_state(mesh, demo):
+def test_nan_on_one_replica_nans_every_leaf(mesh, demo):
+    """One replica's NaN in one leaf: every leaf's update is NaN (the shared decode of all
+    coefficients is non-finite); the kept state and the other checks: tests/test_contract.py."""
     f, state = demo
     params = _placed(mesh, _params(), P())
-    _, state = ready(*f(params, state, _placed(mesh, _grads(0), P(AX))))
-    u_bad, after_bad = ready(*f(params, state, _placed(mesh, _grads(1, nan_at=3), P(AX))))
+    u_bad, _ = ready(*f(params, state, _placed(mesh, _grads(1, nan_at=3), P(AX))))
     for key in SHAPES:
         assert np.all(np.isnan(np.asarray(u_bad[key]))), key
-    assert np.asarray(after_bad.momentum).tobytes() == np.asarray(state.momentum).tobytes()
-    assert int(np.asarray(after_bad.count)) == int(np.asarray(state.count)) + 1
-    u, after = ready(*f(params, after_bad, _placed(mesh, _grads(2), P(AX))))
-    assert _identical(u) and np.all(np.isfinite(np.asarray(u["w"])))
-    assert np.all(np.isfinite(np.asarray(after.momentum)))
+
+
+def test_bf16_values_travel_as_u32_words_in_one_all_gather():
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+    tx = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, values_dtype=jnp.bfloat16)
+    rep = update_collectives(tx, params, N)
+    assert rep.total_ring_bytes == cj.communication_plan(tx, params, N).compiled_bytes, rep.table()
+    assert [c.kind for c in rep.collectives] == ["all-gather"] and rep.dtypes == {"u32"}
 
 
 @pytest.mark.parametrize("values_dtype,n_rep", [(jnp.float32, 8), (jnp.bfloat16, 8), (jnp.float32, 2)])
-def test_hlo_bytes_equal_the_plan(values_dtype, n_rep):
+def test_the_plan_counts_the_payload_words(values_dtype, n_rep):
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
     tx = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, values_dtype=values_dtype)
-    rep = update_collectives(tx, params, n_rep)
     plan = cj.communication_plan(tx, params, n_rep).compiled_bytes
-    assert rep.total_ring_bytes == plan, rep.table()
-    assert [c.kind for c in rep.collectives] == ["all-gather"] and rep.dtypes == {"u32"}
     # Analytic count by hand: tiles a 4, w 4, t 3 -> 11; 1-D chunks b 2; K coefficients
     # each; each group's uint16 indices padded to whole words, then fp32 or bf16 values.
     sent = [11 * K, 2 * K]
@@ -307,11 +308,8 @@ def test_top_k_larger_than_a_1d_chunk_names_the_leaf():
         tx.init({"w": jnp.zeros((8, 8)), "b": jnp.zeros((10,))})
 
 
-def test_unbound_axis_and_missing_params():
-    tx = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K)
+def test_missing_params_and_a_state_for_other_shapes():
     p = {"w": jnp.zeros((8, 8))}
-    with pytest.raises(cj.AxisNotBoundError, match="shard_map"):
-        tx.update(p, tx.init(p), p)
     local = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, axis_name=None, weight_decay=0.1)
     with pytest.raises(ValueError, match="weight_decay needs the parameters"):
         local.update(p, local.init(p))

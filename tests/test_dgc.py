@@ -12,13 +12,12 @@ from jax.sharding import PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
-from commjax.accounting import collective_bytes
 from commjax.compressors.exact import identity
 from commjax.compressors.sparse import top_k
 from commjax.layout import shard_state, state_specs
 from commjax.optimizers.dgc import DGCState, dgc, dgc_ratios
 from commjax.testing import noniid_classification, train
-from commjax.transform import AxisNotBoundError, compressed_mean
+from commjax.transform import compressed_mean
 
 N = 8
 
@@ -54,11 +53,9 @@ def test_default_warmup_is_the_papers_exponential_ramp():
     assert dgc_ratios(0.01, (0.5,)) == (0.5, 0.01)
 
 
-def test_unbound_axis_and_replicated_gradient_errors(mesh):
+def test_replicated_gradient_errors(mesh):
     params = {"w": jnp.ones((16, 16))}
     tx = dgc(0.1, ratio=0.1, min_compress_size=16)
-    with pytest.raises(AxisNotBoundError, match="shard_map"):
-        tx.update(params, tx.init(params), params)
     # Under check_vma=True the gradient of replicated parameters is already summed.
     state = shard_state(tx.init(params), mesh, "data")
     specs = state_specs(state, "data")
@@ -185,22 +182,6 @@ def test_matches_numpy_reference_on_8_replicas(mesh, nesterov):
     assert np.all(states[-1].momentum.reshape(N, -1)[acc == 0] == 0)
 
 
-def test_nonfinite_step_leaves_buffers_and_gives_nan_everywhere(mesh):
-    params, grads = _problem(3, seed=1)
-    grads[1]["w"][5, 3, 4] = np.inf  # replica 5 only, step 1
-    tx = dgc(0.1, ratio=0.1, min_compress_size=64, clip_norm=1.0)
-    outs, states = _run(tx, mesh, params, grads)
-    for k in params:
-        assert np.all(np.isfinite(outs[0][k])) and np.all(np.isnan(outs[1][k]))
-        assert np.all(np.isfinite(outs[2][k]))
-        assert np.all(outs[2][k] == outs[2][k][:1])
-    for field in ("momentum", "accumulation"):
-        np.testing.assert_array_equal(getattr(states[1], field), getattr(states[0], field))
-    np.testing.assert_array_equal(states[1].dense_momentum, states[0].dense_momentum)
-    assert np.all(np.asarray(states[1].metrics["nonfinite"]) == 1)
-    assert np.all(np.asarray(states[2].metrics["nonfinite"]) == 0)
-
-
 @pytest.mark.exact_codegen
 def test_pmap_and_shard_map_agree():
     task = noniid_classification(N, examples_per_replica=64)
@@ -213,33 +194,17 @@ def test_pmap_and_shard_map_agree():
     assert isinstance(b.opt_state, DGCState)
 
 
-def test_hlo_bytes_match_analytic_plan(mesh):
+def test_plan_counts_k_entries_per_leaf_and_the_flag():
+    """K = ceil(ratio * size) per compressed leaf, 8 bytes each through the all-gather; the
+    bias and one NaN flag in the exact all-reduce (the compiled step sends the plan:
+    tests/test_contract.py)."""
     params = {"w0": jax.ShapeDtypeStruct((512, 256), jnp.float32),
               "w1": jax.ShapeDtypeStruct((256, 300), jnp.float32),
               "b": jax.ShapeDtypeStruct((300,), jnp.float32)}
-    tx = dgc(0.1, ratio=0.01)
-    state = jax.eval_shape(tx.init, params)
-    specs = state_specs(state, "data")
-
-    def glob(s, spec):
-        shape = (N * s.shape[0],) + s.shape[1:] if spec == P("data") else s.shape
-        return jax.ShapeDtypeStruct(shape, s.dtype, sharding=NamedSharding(mesh, spec))
-
-    def step(g, s):
-        out, s = tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s)
-        return jax.tree_util.tree_map(lambda a: a[None], out), s
-
-    f = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
-                                  out_specs=(P("data"), specs)))
-    grads = {k: jax.ShapeDtypeStruct((N,) + v.shape, v.dtype, sharding=NamedSharding(mesh, P("data")))
-             for k, v in params.items()}
-    report = collective_bytes(f, grads, jax.tree_util.tree_map(glob, state, specs))
-    plan = cj.communication_plan(tx, params, N)
-    assert report.total_ring_bytes == pytest.approx(plan.compiled_bytes, rel=1e-9), report.table()
+    plan = cj.communication_plan(dgc(0.1, ratio=0.01), params, N)
     k = math.ceil(0.01 * 512 * 256) + math.ceil(0.01 * 256 * 300)
     assert plan.bytes_of("top-k") == pytest.approx((N - 1) * 8 * k)
     assert plan.bytes_of("exact bucket") == pytest.approx(2 * (N - 1) / N * 4 * 301)  # bias + NaN flag
-    assert [c.dtypes for c in report.of_kind("all-gather")] == [("u32",)]
     assert plan.compression_ratio > 10
 
 
