@@ -150,26 +150,12 @@ def test_checkpoint_gives_the_same_gradient(grads):
         np.testing.assert_allclose(out["q4"][k], out["q4_remat"][k], rtol=1e-5, atol=1e-8)
 
 
-def test_hlo_bytes_equal_analytic(mesh):
-    params = {"w": jax.ShapeDtypeStruct((1024, 1000), jnp.float32),
-              "b": jax.ShapeDtypeStruct((1000,), jnp.float32)}
-    like = params
+def test_int8_weights_and_hadamard_int4_gradients_cut_the_bytes():
+    """Against exact FSDP (the compiled step sends the plan: tests/test_contract.py)."""
+    like = {"w": jax.ShapeDtypeStruct((1024, 1000), jnp.float32),
+            "b": jax.ShapeDtypeStruct((1000,), jnp.float32)}
     codec, grad_codec = cj.quantize(8, stochastic=False), cj.hadamard(cj.quantize(4))
-    shards = jax.eval_shape(lambda p: cj.fsdp_shard(p, N, align=256), params)
-
-    def loss(s, x):
-        p = cj.fsdp_gather(s, AX, codec, grad_codec=grad_codec, key=jax.random.PRNGKey(0), like=like)
-        # Nonlinear in every leaf, so that the forward gathers are used (not eliminated).
-        return jnp.sum(jnp.tanh(x @ p["w"].T)) + jnp.sum(jnp.tanh(p["b"] * x))
-
-    def local(sh, x):
-        return jax.grad(loss)(sh, x[0])
-
-    x = jax.ShapeDtypeStruct((N, 4, 1000), jnp.float32)
-    fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(P(AX), P(AX)), out_specs=P(AX)))
-    rep = cj.collective_bytes(fn, shards, x)
     want = cj.communication_plan(cj.fsdp_gather, like, N, codec=codec, grad_codec=grad_codec, align=256)
-    assert rep.total_ring_bytes == pytest.approx(want.compiled_bytes, abs=0.5), rep.table()
     exact = cj.communication_plan(cj.fsdp_gather, like, N, align=256)
     assert exact.bytes_of("weights") / want.bytes_of("weights") >= 3.5
     assert exact.bytes_of("gradients") / want.bytes_of("gradients") >= 6.0

@@ -23,7 +23,7 @@ import commjax as cj
 from commjax import _compat
 from commjax import collectives as cc
 from commjax.kernels.lossless import lossless_encode
-from commjax.testing import noniid_classification, same_bits, train, update_collectives
+from commjax.testing import noniid_classification, same_bits, train
 
 N = 8
 AX = "data"
@@ -183,20 +183,17 @@ def test_cast_lossless_wire_is_cast_bf16_in_fewer_bytes():
     assert ratio <= 0.8
 
 
-def test_hlo_bytes_below_cast_and_fallback_in_conditional():
-    """All-gather reducer, 8 replicas: the steady collectives send the plan's bytes, 0.77x
-    of cast(bf16)'s; the fallback's all-gather (cast's bytes) sits in the conditional.
-    (The contract matrix checks steady bytes == plan for every reducer.)"""
+def test_bytes_below_cast_and_the_fallback_sends_cast_s():
+    """All-gather reducer, 8 replicas: 0.77x of cast(bf16)'s bytes on a step without
+    overflow; on a step with one, the fallback sends cast(bf16)'s payload as well (the
+    compiled step holds it in a conditional; compiled bytes == plan: tests/test_contract.py)."""
     params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
-    got = update_collectives(cj.compressed_mean(CODEC, AX, reducer="allgather"), params, N)
-    raw = update_collectives(cj.compressed_mean(CAST, AX, reducer="allgather"), params, N)
     plan = cj.communication_plan(CODEC, params, N, reducer="allgather")
-    assert sum(c.ring_bytes for c in got if not c.in_conditional) == pytest.approx(plan.bytes_per_step, abs=0.5)
-    fallback = sum(c.ring_bytes for c in got if c.in_conditional)
-    assert fallback == pytest.approx(raw.total_ring_bytes - cj.ring_bytes("all-reduce", 4 * 1, N), abs=0.5), got.table()
+    raw = cj.communication_plan(CAST, params, N, reducer="allgather")
+    assert plan.bytes_of("fallback") == pytest.approx(raw.bytes_of("compressed"))
     for reducer in ("allgather", "two_phase"):
-        ratio = (cj.communication_plan(CODEC, params, N, reducer=reducer).routing.compressed_bytes
-                 / cj.communication_plan(CAST, params, N, reducer=reducer).routing.compressed_bytes)
+        ratio = (cj.communication_plan(CODEC, params, N, reducer=reducer).bytes_of("compressed")
+                 / cj.communication_plan(CAST, params, N, reducer=reducer).bytes_of("compressed"))
         assert ratio <= 0.8, (reducer, ratio)
     assert CODEC.bits_per_element() == 12.375
 

@@ -1,4 +1,5 @@
-"""Bytes on the wire, measured from the compiled HLO, against the analytic counts."""
+"""Bytes on the wire of each codec and reducer, from the plan (equal to the compiled HLO's:
+tests/test_contract.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -21,39 +22,17 @@ TARGETS = {
 }
 
 
-@pytest.fixture(scope="module")
-def exact_bytes():
-    rep = update_collectives(cj.compressed_mean(cj.identity(), "data"), PARAMS, 8)
-    plan = cj.communication_plan(cj.identity(), PARAMS, 8)
-    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=0, abs=0.5)
-    # The exact mean is one fp32 all-reduce of every parameter (plus the NaN flags).
-    n = sum(int(jnp.size(jnp.zeros(p.shape))) for p in jax.tree_util.tree_leaves(PARAMS))
-    assert rep.total_ring_bytes == pytest.approx(cj.ring_bytes("all-reduce", 4 * n, 8), rel=1e-3)
-    return rep.total_ring_bytes
-
-
 @pytest.mark.parametrize("name", sorted(TARGETS))
-def test_hlo_bytes_equal_analytic_and_meet_ratio(name, exact_bytes):
+def test_each_codec_meets_its_ratio(name):
+    """Per device on 8 replicas, against the exact fp32 mean of the same tree (the compiled
+    step sends the plan, in uint32 words: tests/test_contract.py)."""
     comp, target = TARGETS[name]
-    rep = update_collectives(cj.compressed_mean(comp, "data"), PARAMS, 8)
     plan = cj.communication_plan(comp, PARAMS, 8)
-    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=0, abs=0.5), rep.table()
-    ratio = exact_bytes / rep.total_ring_bytes
-    assert ratio >= target, f"{name}: {ratio:.2f}x < {target}x"
-    # Compressed payloads travel as unsigned words; only the small exact bucket is fp32.
-    assert "u32" in rep.dtypes
-    f32 = sum(c.operand_bytes for c in rep.collectives if "f32" in c.dtypes)
-    assert f32 < 0.05 * sum(c.operand_bytes for c in rep.collectives)
-    # No integer payload is ever summed (psum on small integers wraps around).
-    for c in rep.of_kind("all-reduce"):
-        assert all(d.startswith("f") for d in c.dtypes), c
+    assert plan.compression_ratio >= target, f"{name}: {plan.compression_ratio:.2f}x < {target}x"
 
 
 def _bytes(comp, reducer, n_rep):
-    rep = update_collectives(cj.compressed_mean(comp, "data", reducer=reducer), PARAMS, n_rep)
-    plan = cj.communication_plan(comp, PARAMS, n_rep, reducer=reducer)
-    assert rep.total_ring_bytes == pytest.approx(plan.bytes_per_step, rel=0, abs=0.5)
-    return rep.total_ring_bytes
+    return cj.communication_plan(comp, PARAMS, n_rep, reducer=reducer).bytes_per_step
 
 
 def test_two_phase_bytes_flat_in_replicas_allgather_grows():
