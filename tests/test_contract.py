@@ -304,6 +304,14 @@ OPS = {  # name: (op, plan options, the op inside shard_map on this replica's x)
 }
 
 
+@pytest.mark.parametrize("op", [cj.fsdp_gather, cj.collectives.all_gather, cj.collectives.reduce_scatter,
+                                cj.collectives.all_reduce, cj.collectives.tp_reduce],
+                         ids=lambda op: op.__name__)
+def test_op_unbound_axis_names_the_fix(op):
+    with pytest.raises(cj.AxisNotBoundError, match="not bound"):
+        op(jnp.ones((N, 4)), AX)
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_op_hlo_bytes_equal_the_plan(mesh, name):
     """A collective op of model code sends what ``cj.communication_plan(op, x, N, ...)``

@@ -488,9 +488,6 @@ def test_bad_types_and_too_many_fragments():
     tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, fragments=4)
     with pytest.raises(ValueError, match="`fragments` \\(4\\) is more than the parameters' 3 elements"):
         tx.init({"w": jnp.zeros((3,))})
-    tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4)
-    with pytest.raises(cj.AxisNotBoundError, match="shard_map"):
-        tx.update(SMALL, tx.init(SMALL), SMALL)
     one = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, axis_name=None)
     with pytest.raises(ValueError, match="params"):
         one.update(SMALL, one.init(SMALL))
