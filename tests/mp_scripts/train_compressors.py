@@ -195,7 +195,7 @@ def run_one(ctx: Any, task: Any, factory: Callable[[], Any], steps: int) -> dict
         "hlo_dtypes": sorted(hlo.dtypes),
         "reduce_scatter": bool(hlo.of_kind("reduce-scatter")),
         "plan_bytes": plan.bytes_per_step,
-        "reducer": plan.reducer,
+        "reducer": plan.routing.reducer,
         # Payloads that are summed (identity, random-k values, PowerSGD factors) travel
         # as f32; all others as unsigned words.
         "summed_payload": bool(comp.linear or comp.has_exchange),
