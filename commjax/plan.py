@@ -294,9 +294,11 @@ def mean_plan(
                    min_compress_size=min_compress_size, compress_vectors=compress_vectors,
                    check_finite=check_finite)
     check_positive_int("inner_replicas", inner_replicas, factory="communication_plan")
-    transfers = inner_mean_transfer(leaves, inner_replicas) + mean_transfers(mp, compressor)
+    inner = inner_mean_transfer(leaves, inner_replicas)
+    # The baseline on a two-level mesh: the exact mean over both axes, the inner one first.
+    baseline = mp.baseline_bytes + sum(t.bytes for t in inner)
     return CommunicationPlan(name or f"compressed_mean({compressor.name})", num_replicas,
-                             tuple(transfers), mp.baseline_bytes, routing=mp)
+                             tuple(inner + mean_transfers(mp, compressor)), baseline, routing=mp)
 
 
 def communication_plan(what: Any, params: Any, num_replicas: int, **options: Any) -> CommunicationPlan:
