@@ -3,6 +3,12 @@
     python -m commjax.bench --params 50e6                       # every local device
     python -m commjax.bench --params 5e6 --devices 8            # 8 simulated CPU devices
     python -m commjax.bench --params 200e6 --distributed        # one process per host
+    python -m commjax.bench --target v5e:2x4 --params 1e9       # deviceless: no accelerator
+
+With ``--target`` nothing runs: each step is compiled for that TPU topology or GPU target
+from this machine ([`commjax.aot`][]; ``pip install 'commjax[aot]'``) and the table gives
+the compiled program's HBM traffic, scratch, wire bytes and a projected step time on the
+target's fast and slow links, each against the exact step.
 
 For a model of about ``--params`` parameters (``--layers`` square matrices), each
 compressor's step (``cj.data_parallel`` of ``chain(cj.compressed_mean(c), sgd)``) is
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commjax import _compat
+from commjax import _compat, aot
 from commjax.compressors import cast, identity, powersgd, quantize, sign, top_k
 from commjax.step import data_parallel
 from commjax.transform import compressed_mean
@@ -127,6 +133,42 @@ def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4
     return rows
 
 
+def _shapes(num_params: float, layers: int) -> dict:
+    d = max(8, int(round((num_params / layers) ** 0.5)))
+    return {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(layers)}
+
+
+def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
+               layers: int = 4) -> list[dict]:
+    """Compile the exact and each compressor's update step for ``target`` (deviceless)
+    and report them ([`commjax.aot.analyze`][]), each with ratios to the exact step."""
+    mesh = aot.target_mesh(target)
+    params = _shapes(num_params, layers)
+    rows = []
+    for label, codec in [("exact", identity())] + [(c, COMPRESSORS[c]()) for c in compressors]:
+        tx = optax.chain(compressed_mean(codec, "data"), optax.sgd(1e-3))
+        rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
+        rep["method"] = label
+        rows.append(rep)
+    for r in rows:
+        for key in ("traffic", "temp", "wire", "projected_fast_s", "projected_slow_s"):
+            r[f"{key}_vs_exact"] = r[key] / rows[0][key] if rows[0][key] else float("nan")
+    return rows
+
+
+def target_table(rows: Sequence[dict]) -> str:
+    """The deviceless rows as a fixed-width text table (per device and step)."""
+    head = (f"{'method':<10} {'HBM traffic':>12} {'x exact':>8} {'scratch':>10} {'wire':>10} "
+            f"{'fast link':>10} {'x exact':>8} {'slow link':>10} {'x exact':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['method']:<10} {r['traffic'] / 1e6:>9.1f} MB {r['traffic_vs_exact']:>7.2f}x "
+                     f"{r['temp'] / 1e6:>7.1f} MB {r['wire'] / 1e6:>7.2f} MB "
+                     f"{r['projected_fast_s'] * 1e3:>7.2f} ms {r['projected_fast_s_vs_exact']:>7.2f}x "
+                     f"{r['projected_slow_s'] * 1e3:>7.2f} ms {r['projected_slow_s_vs_exact']:>7.2f}x")
+    return "\n".join(lines)
+
+
 def table(rows: Sequence[Row]) -> str:
     """The rows as a fixed-width text table."""
     head = f"{'method':<22} {'bytes/step':>12} {'step':>9} {'speedup':>8} {'bound':>8} {'reached':>8}"
@@ -151,12 +193,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (one process per host)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--target", default=None, choices=sorted(aot.TARGETS),
+                   help="compile for this accelerator instead of running (deviceless; needs "
+                        "the aot extra)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.target:
+        return _main_target(args)
     flag = f"--xla_force_host_platform_device_count={args.devices}"
     if args.devices and flag not in os.environ.get("XLA_FLAGS", ""):
         # The device count is fixed when JAX starts its CPU backend: start again with it.
@@ -174,6 +221,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([dataclasses.asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+def _main_target(args: argparse.Namespace) -> int:
+    rows = run_target(args.target, args.params, compressors=args.compressors, layers=args.layers)
+    print(f"{args.target} (compiled here, deviceless), ~{args.params:.3g} parameters, per device and step")
+    print(target_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2, default=float)
     return 0
 
 

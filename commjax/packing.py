@@ -1,19 +1,24 @@
-"""Bit-plane packing of small unsigned codes into uint32 words.
+"""Packing small unsigned codes into uint32 words: the one sub-word format of commjax.
 
-Every sub-word payload in commjax is packed the same way, so that one format serves
-every bit width from 1 to 16 and every block size:
+Widths that divide 32 (1, 2, 4, 8, 16 bits: every quantizer, sign, fp8-style bytes) are
+packed as **lane slices**: a block of ``B`` codes is padded with zero codes to ``k W``
+(``k = 32 / bits`` codes per word, ``W = ceil(B / k)`` words) and word ``w`` holds codes
+``w, w + W, ..., w + (k - 1) W``, code ``j W + w`` in bits ``[j bits, (j + 1) bits)``::
 
-A block of ``B`` codes, each ``bits`` wide, is padded with zero codes to
-``W * 32`` elements (``W = ceil(B / 32)``) and stored as ``bits`` *planes* of ``W``
-words. Bit ``j`` of word ``w`` of plane ``k`` is bit ``k`` of code ``32 * w + j``::
+    words[..., w] = sum_j codes[..., j W + w] << (bits j)
 
-    words[..., k, w] = sum_j ((codes[..., 32 w + j] >> k) & 1) << j
+Each word is built from ``k`` contiguous slices of the block by shifts and ORs alone: no
+reduction across lanes and no intermediate with a small minor dimension, which a TPU pads
+to 128 lanes (bit planes of 32 lanes took 16x their bytes there). Sign bits: ``W = B / 32``
+words, bit ``j`` of word ``w`` is element ``j W + w``.
 
-The 1-bit case is the classic "32 signs per uint32 word". A block costs
-``bits * ceil(B / 32)`` words: no waste when ``B`` is a multiple of 32.
+Other widths (3, 5, 6, 7 and 9 to 15 bits: QSGD's levels, lossless deltas) are packed as
+*bit planes*: ``bits`` planes of ``ceil(B / 32)`` words, bit ``j`` of word ``w`` of plane
+``k`` is bit ``k`` of code ``32 w + j``.
 
-These functions are the pure-jnp reference; the Pallas kernels in
-[`commjax.kernels`][] produce the same words bit for bit.
+Both cost ``bits * B / 32`` words when ``B`` is a multiple of 32. These functions are the
+pure-jnp reference; the Pallas kernels of [`commjax.kernels`][] produce the same words
+(``commjax.kernels._bits``).
 """
 
 from __future__ import annotations
@@ -23,9 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["words_per_plane", "packed_words", "pack_codes", "unpack_codes"]
+__all__ = ["sliced", "words_per_plane", "packed_words", "pack_codes", "unpack_codes"]
 
 _SHIFTS = np.arange(32, dtype=np.uint32)
+
+
+def sliced(bits: int) -> bool:
+    """Whether ``bits``-wide codes are packed as lane slices (``bits`` divides 32)."""
+    return 32 % int(bits) == 0
 
 
 def words_per_plane(block_size: int) -> int:
@@ -34,18 +44,52 @@ def words_per_plane(block_size: int) -> int:
 
 
 def packed_words(block_size: int, bits: int) -> int:
-    """uint32 words per packed block: ``bits * ceil(block_size / 32)``."""
+    """uint32 words per packed block: ``ceil(B / (32 / bits))`` (lane slices) or
+    ``bits * ceil(B / 32)`` (bit planes)."""
+    if sliced(bits):
+        return -(-int(block_size) // (32 // int(bits)))
     return int(bits) * words_per_plane(block_size)
 
 
-def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
-    """Pack ``codes[..., B]`` (unsigned, each ``< 2**bits``) into ``uint32[..., bits * W]``.
-
-    Leading axes are kept (one packed row per block). Codes are masked to ``bits`` bits.
-    """
+def _check_bits(bits: int) -> None:
     if not 1 <= bits <= 16:
         raise ValueError(f"bits must be in [1, 16], got {bits}")
-    codes = codes.astype(jnp.uint32)
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+    """Pack ``codes[..., B]`` (unsigned, each ``< 2**bits``) into
+    ``uint32[..., packed_words(B, bits)]``, one packed row per block (leading axes kept).
+    Codes are masked to ``bits`` bits."""
+    _check_bits(bits)
+    codes = codes.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1)
+    if not sliced(bits):
+        return _pack_planes(codes, bits)
+    k, w = 32 // bits, packed_words(codes.shape[-1], bits)
+    if k * w != codes.shape[-1]:
+        codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, k * w - codes.shape[-1])])
+    out = codes[..., :w]
+    for j in range(1, k):  # distinct bit positions: OR of shifted slices
+        out = out | (codes[..., j * w:(j + 1) * w] << jnp.uint32(bits * j))
+    return out
+
+
+def unpack_codes(words: jax.Array, bits: int, block_size: int) -> jax.Array:
+    """Inverse of [`pack_codes`][commjax.packing.pack_codes]: ``uint32[..., packed_words]
+    -> uint32[..., block_size]``."""
+    _check_bits(bits)
+    w = packed_words(block_size, bits)
+    if words.shape[-1] != w:
+        raise ValueError(f"expected {w} words per block for bits={bits}, block_size={block_size}; "
+                         f"got {words.shape[-1]}")
+    words = words.astype(jnp.uint32)
+    if not sliced(bits):
+        return _unpack_planes(words, bits, block_size)
+    mask = jnp.uint32((1 << bits) - 1)
+    parts = [(words >> jnp.uint32(bits * j)) & mask for j in range(32 // bits)]
+    return jnp.concatenate(parts, axis=-1)[..., :block_size]
+
+
+def _pack_planes(codes: jax.Array, bits: int) -> jax.Array:
     block = codes.shape[-1]
     w = words_per_plane(block)
     pad = w * 32 - block
@@ -54,24 +98,16 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
     codes = codes.reshape(codes.shape[:-1] + (w, 32))
     shifts = jnp.asarray(_SHIFTS)
     # Every plane from ONE variadic reduction: each code is computed once and feeds all
-    # the planes (one reduction per plane recomputed the codes, and the quantization
-    # behind them, once per plane). Distinct bit positions: the sum is an OR, no carry.
+    # the planes. Distinct bit positions: the sum is an OR, no carry.
     spread = [((codes >> jnp.uint32(k)) & jnp.uint32(1)) << shifts for k in range(bits)]
     planes = lax.reduce(spread, [jnp.uint32(0)] * bits,
                         lambda a, b: [x | y for x, y in zip(a, b)], (codes.ndim - 1,))
     return jnp.concatenate(planes, axis=-1) if bits > 1 else planes[0]
 
 
-def unpack_codes(words: jax.Array, bits: int, block_size: int) -> jax.Array:
-    """Inverse of [`pack_codes`][commjax.packing.pack_codes]: ``uint32[..., bits * W] ->
-    uint32[..., block_size]``."""
+def _unpack_planes(words: jax.Array, bits: int, block_size: int) -> jax.Array:
     w = words_per_plane(block_size)
-    if words.shape[-1] != bits * w:
-        raise ValueError(
-            f"expected {bits * w} words per block for bits={bits}, "
-            f"block_size={block_size}; got {words.shape[-1]}"
-        )
-    words = words.astype(jnp.uint32).reshape(words.shape[:-1] + (bits, w, 1))
+    words = words.reshape(words.shape[:-1] + (bits, w, 1))
     bitvals = (words >> jnp.asarray(_SHIFTS)) & jnp.uint32(1)  # [..., bits, w, 32]
     weights = (jnp.uint32(1) << jnp.arange(bits, dtype=jnp.uint32)).reshape(bits, 1, 1)
     codes = jnp.sum(bitvals * weights, axis=-3, dtype=jnp.uint32)  # [..., w, 32]

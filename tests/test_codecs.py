@@ -51,14 +51,33 @@ def test_pack_large_flat_roundtrip():
 
 
 def test_pack_bit_layout_is_documented_one():
+    """Sign bits as lane slices: bit j of word w is element j W + w (W = 2 words here)."""
     codes = np.zeros(64, np.uint32)
     codes[0], codes[31], codes[33] = 1, 1, 1
     words = np.asarray(pack_codes(jnp.asarray(codes), 1))
-    assert words.tolist() == [0x80000001, 0x2]
+    assert words.tolist() == [0x1, (1 << 15) | (1 << 16)]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_pack_multi_bit_layout_matches_the_bit_plane_formula(bits):
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16])
+def test_pack_layout_matches_the_lane_slice_formula(bits):
+    """words[..., w] = sum_j codes[..., j W + w] << (bits j), W = ceil(B / (32 / bits)),
+    the block zero-padded to k W codes."""
+    rng = np.random.default_rng(bits)
+    k = 32 // bits
+    codes = rng.integers(0, 2**bits, size=(2, 80), dtype=np.uint64).astype(np.uint32)
+    w = -(-80 // k)
+    padded = np.zeros((2, k * w), np.uint64)
+    padded[:, :80] = codes
+    want = np.zeros((2, w), np.uint64)
+    for j in range(k):
+        want |= padded[:, j * w:(j + 1) * w] << (bits * j)
+    got = np.asarray(pack_codes(jnp.asarray(codes), bits))
+    np.testing.assert_array_equal(got, want.astype(np.uint32))
+    np.testing.assert_array_equal(np.asarray(unpack_codes(jnp.asarray(got), bits, 80)), codes)
+
+
+@pytest.mark.parametrize("bits", [3, 6])
+def test_pack_other_widths_match_the_bit_plane_formula(bits):
     """words[..., k * W + w] = sum_j ((codes[..., 32 w + j] >> k) & 1) << j."""
     rng = np.random.default_rng(bits)
     codes = rng.integers(0, 2**bits, size=(2, 80), dtype=np.uint64).astype(np.uint32)

@@ -1,7 +1,7 @@
 """Blockwise scaled integer codecs: ``quantize`` (absmax), ``qsgd`` and ``terngrad``.
 
 All three cut the vector into blocks of ``B`` elements, send one fp32 scale ``s`` per
-block and one ``b``-bit code per element, packed as bit planes ([`commjax.packing`][]).
+block and one ``b``-bit code per element, packed into words ([`commjax.packing`][]).
 A block costs ``b * ceil(B / 32) + 1`` uint32 words, i.e. ``b + 32 / B`` bits per element
 when ``B`` is a multiple of 32.
 

@@ -4,15 +4,14 @@ Each function takes ``impl`` (the codecs pass their ``kernels`` field): ``"auto"
 ``"pallas"``, ``"interpret"`` (Pallas interpret mode, for CPU tests), ``"reference"``, or
 ``None`` for ``$COMMJAX_KERNELS`` if set, else ``"auto"``. ``auto`` runs the reference on
 every backend whose compiled kernels have not passed the on-device check (all of them
-today: the Mosaic GPU kernels have never run on a GPU); see
+today); see
 ``commjax.kernels._dispatch``. Results do not depend on ``impl``: every
 implementation computes the bits of the reference.
 
 Kernels (references in ``commjax.kernels.reference``):
 
 * [`quantize_blocks`][commjax.kernels.quantize_blocks] -- error feedback + blockwise absmax
-  quantization + bit-plane
-  packing in one pass (``cj.quantize`` 8/4/2 bits, TernGrad), stochastic rounding from
+  quantization + packing in one pass (``cj.quantize`` 8/4/2 bits, TernGrad), stochastic rounding from
   uniforms passed in; outputs the wire rows and, if asked, the decoded values or the
   new residual;
 * [`sign_blocks`][commjax.kernels.sign_blocks] -- error feedback + scaled sign + 1-bit packing;
@@ -26,11 +25,11 @@ Kernels (references in ``commjax.kernels.reference``):
   patterns
   (``cj.lossless``);
 * [`pack_codes`][commjax.kernels.pack_codes], [`unpack_codes`][commjax.kernels.unpack_codes] -- the
-  bit-plane format of
-  [`commjax.packing`][] alone.
+  packing of [`commjax.packing`][] alone.
 
-Lowerings: Mosaic TPU (row-tiled ``pallas_call``), Mosaic GPU
-(``commjax.kernels.mosaic_gpu``, ``plgpu.kernel``), interpret mode anywhere.
+Lowerings: Mosaic TPU (row-tiled ``pallas_call``) and interpret mode anywhere. There is no
+GPU kernel: compiled for an H100, XLA's fusion of the references moved less memory than
+the Mosaic GPU kernels did (``benchmarks/aot.py``), so ``pallas`` runs the reference on CUDA.
 """
 
 from __future__ import annotations

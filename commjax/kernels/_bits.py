@@ -1,10 +1,12 @@
-"""Bit-plane packing of one tile of rows, as kernel bodies compute it.
+"""The packing of [`commjax.packing`][] for one tile of rows, as kernel bodies compute it.
 
-The same wire format as [`commjax.packing`][] (bit ``j`` of word ``w`` of plane ``k`` is
-bit ``k`` of code ``32 w + j``), written for a tile whose rows are whole blocks of
-``B = 32 W`` codes: a row is viewed as ``W`` groups of 32 lanes, and each plane word is
-the sum of ``bit << lane`` over its group (distinct bit positions: the sum is an OR and
-cannot carry). Only 32-bit integer arithmetic is used.
+A tile's rows are whole blocks of ``B`` codes. Widths that divide 32 are packed as lane
+slices (word ``w`` holds codes ``w + j W``, ``W = B bits / 32``): shifts and ORs of ``k``
+contiguous slices of the row. Other widths keep the bit planes (each plane word the sum of
+``bit << lane`` over a group of 32 lanes; distinct bit positions: the sum is an OR and
+cannot carry). Only 32-bit integer arithmetic is used (Mosaic TPU reduces signed integers
+only: bit 31 makes a word negative, and two's-complement addition of distinct bits is
+still their OR).
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commjax.packing import packed_words, sliced
+
 __all__ = ["pack_tile", "unpack_tile"]
 
 
 def pack_tile(codes: jax.Array, bits: int) -> jax.Array:
-    """``uint32[T, 32 W] -> uint32[T, bits * W]`` (planes side by side).
-
-    The lane sums run in int32 (Mosaic TPU reduces signed integers only): bit 31 makes a
-    word negative, and two's-complement addition of distinct bits is still their OR.
-    """
+    """``uint32[T, B] -> uint32[T, packed_words(B, bits)]``."""
     t, b = codes.shape
+    c = lax.bitcast_convert_type(codes.astype(jnp.uint32), jnp.int32)
+    if sliced(bits):
+        w = packed_words(b, bits)
+        out = c[:, :w]
+        for j in range(1, 32 // bits):
+            out = out | lax.shift_left(c[:, j * w:(j + 1) * w], jnp.int32(bits * j))
+        return lax.bitcast_convert_type(out, jnp.uint32)
     w = b // 32
-    c = lax.bitcast_convert_type(codes.astype(jnp.uint32), jnp.int32).reshape(t, w, 32)
+    c = c.reshape(t, w, 32)
     lane = lax.broadcasted_iota(jnp.int32, (t, w, 32), 2)
     planes = []
     for k in range(bits):
@@ -35,13 +42,18 @@ def pack_tile(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack_tile(words: jax.Array, bits: int, block: int) -> jax.Array:
-    """``uint32[T, bits * W] -> uint32[T, 32 W]``: the codes of each row."""
+    """``uint32[T, packed_words(B, bits)] -> uint32[T, B]``: the codes of each row."""
     t = words.shape[0]
+    words = words.astype(jnp.uint32)
+    if sliced(bits):
+        mask = jnp.uint32((1 << bits) - 1)
+        return jnp.concatenate([(words >> jnp.uint32(bits * j)) & mask for j in range(32 // bits)],
+                               axis=1)[:, :block]
     w = block // 32
     lane = lax.broadcasted_iota(jnp.uint32, (t, w, 32), 2)
     codes = jnp.zeros((t, w, 32), jnp.uint32)
     for k in range(bits):
-        plane = words[:, k * w:(k + 1) * w].astype(jnp.uint32)
+        plane = words[:, k * w:(k + 1) * w]
         bit = (jnp.broadcast_to(plane[:, :, None], (t, w, 32)) >> lane) & jnp.uint32(1)
         codes = codes | (bit << jnp.uint32(k))
     return codes.reshape(t, block)

@@ -13,8 +13,8 @@ reference that computes the same bits. Each kernel function takes ``impl``:
 reference on every backend
                 today (see below)
 ``"pallas"``    the compiled kernel for whichever platform the computation is *lowered*
-                for (Mosaic TPU, Mosaic GPU on CUDA; ``lax.platform_dependent``); on CPU
-                JAX refuses to lower it with an "only interpret mode" error
+                for (Mosaic TPU; ``lax.platform_dependent``; on CUDA the reference);
+                on CPU JAX refuses to lower it with an "only interpret mode" error
 ``"interpret"`` the kernel in Pallas interpret mode (any platform; the CPU test mode)
 ``"reference"`` the pure-jnp reference
 ==============  ==========================================================================
@@ -25,9 +25,11 @@ only in ``kernels`` trace separately, and nothing global changes. The environmen
 variable is read at trace time: a function already traced keeps the implementation it
 was traced with, so set it before the first trace (or pass the argument).
 
-Why ``auto`` is the reference on GPU and TPU: the Mosaic GPU kernels have been lowered
-but never executed on a GPU, and the Mosaic TPU kernels have been lowered only to the
-Pallas level (Mosaic's own passes run on a TPU host). An unverified kernel does not go
+Why ``auto`` is the reference on GPU and TPU: there is no GPU kernel (compiled for an
+H100, XLA's fusion of the references moves less memory than the Mosaic GPU kernels did:
+``benchmarks/aot.py``), and the Mosaic TPU kernels compile for TPU targets but have not
+run on one, nor moved less memory than the reference in the compiled TPU step
+(``benchmarks/results/aot_*.json``). An unverified kernel does not go
 into a user's step by default: ``kernels="pallas"`` (or ``COMMJAX_KERNELS=pallas``) opts
 in, and ``benchmarks/gpu_check.sh`` (``benchmarks/kernels.py --check``) is the on-device
 check. A backend joins ``VERIFIED_BACKENDS`` once that check has passed on it.

@@ -26,8 +26,9 @@ payload once (``bits / 8 + 4 / B`` bytes per element and replica) and writes the
 sum once (4 bytes per element), where the reference materialises ``N`` decoded vectors.
 
 Lowerings: Mosaic TPU and interpret mode (``pallas_call`` over (row tiles, replicas),
-the replica axis innermost and accumulated in the output block); Mosaic GPU
-(``commjax.kernels.mosaic_gpu``). Blocks whose size is not a multiple of 32 use the
+the replica axis innermost and accumulated in the output block). No GPU kernel: on CUDA
+``pallas`` runs the reference, which XLA fuses into less memory traffic than the Mosaic
+GPU kernels moved (``benchmarks/aot.py``). Blocks whose size is not a multiple of 32 use the
 reference everywhere.
 """
 
@@ -42,7 +43,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from commjax import packing
-from commjax.kernels import mosaic_gpu
 from commjax.kernels._bits import unpack_tile
 from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
 from commjax.kernels._tiling import row_call, tile_rows
@@ -119,7 +119,7 @@ def _options(bits: int, block_size: int, offset: int, step: int, divisor: Option
 def decode_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int = 1,
                 divisor: Optional[int] = None, tile: Optional[int] = None,
                 impl: Optional[str] = None) -> jax.Array:
-    """Decode one payload ``uint32[nb, bits * ceil(B/32) + 1] -> float32[nb, B]``.
+    """Decode one payload ``uint32[nb, packed_words(B, bits) + 1] -> float32[nb, B]``.
     ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     opts = _options(bits, block_size, offset, step, divisor)
     words = packing.packed_words(block_size, bits) + 1
@@ -131,8 +131,7 @@ def decode_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, ste
     if block_size % 32 or rows.shape[0] == 0:
         return reference(rows)
     kernel = functools.partial(_decode_pallas, tile=tile, **opts)
-    gpu = mosaic_gpu.decode_kernel(rows, accumulate=False, **opts)
-    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel, args=(rows,))
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(rows,))
 
 
 def decode_sum(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int = 1,
@@ -150,5 +149,4 @@ def decode_sum(rows: jax.Array, *, bits: int, block_size: int, offset: int, step
     if block_size % 32 or rows.shape[1] == 0 or rows.shape[0] == 0:
         return reference(rows)
     kernel = functools.partial(_decode_sum_pallas, tile=tile, **opts)
-    gpu = mosaic_gpu.decode_kernel(rows, accumulate=True, **opts)
-    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel, args=(rows,))
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(rows,))

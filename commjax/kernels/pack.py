@@ -50,9 +50,10 @@ def _pack_pallas(codes: jax.Array, *, bits: int, tile: Optional[int], interpret:
     def body(c_ref, o_ref):
         o_ref[...] = pack_tile(c_ref[...], bits)
 
-    (out,) = row_call(body, rows=rows, tile=t, inputs=[flat], out_cols=[(bits * (b // 32), jnp.uint32)],
+    w = packing.packed_words(b, bits)
+    (out,) = row_call(body, rows=rows, tile=t, inputs=[flat], out_cols=[(w, jnp.uint32)],
                       interpret=interpret, name=f"commjax_pack{bits}")
-    return out.reshape(lead + (bits * (b // 32),))
+    return out.reshape(lead + (w,))
 
 
 def _unpack_pallas(words: jax.Array, *, bits: int, block: int, tile: Optional[int],
@@ -73,7 +74,7 @@ def _unpack_pallas(words: jax.Array, *, bits: int, block: int, tile: Optional[in
 def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None,
                impl: Optional[str] = None) -> jax.Array:
     """Kernel-dispatched [`commjax.packing.pack_codes`][]: ``codes[..., B] ->
-    uint32[..., bits * ceil(B/32)]``.
+    uint32[..., packing.packed_words(B, bits)]``.
     ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     _check_bits(bits)
     impl = resolve_impl(impl, "pack_codes")
@@ -88,14 +89,13 @@ def pack_codes(codes: jax.Array, bits: int, *, tile: Optional[int] = None,
 
 def unpack_codes(words: jax.Array, bits: int, block_size: int, *, tile: Optional[int] = None,
                  impl: Optional[str] = None) -> jax.Array:
-    """Kernel-dispatched [`commjax.packing.unpack_codes`][]: ``uint32[..., bits * W] ->
+    """Kernel-dispatched [`commjax.packing.unpack_codes`][]: ``uint32[..., packed_words] ->
     uint32[..., block_size]``.
     ``impl``: as for [`commjax.kernels.quantize_blocks`][]."""
     _check_bits(bits)
     impl = resolve_impl(impl, "unpack_codes")
     reference = functools.partial(packing.unpack_codes, bits=bits, block_size=block_size)
-    w = packing.words_per_plane(block_size)
-    if words.shape[-1] != bits * w:
+    if words.shape[-1] != packing.packed_words(block_size, bits):
         return reference(words)  # raises the reference's error
     rows = math.prod(words.shape[:-1])
     if block_size % 32 or rows == 0:

@@ -1,4 +1,4 @@
-"""Fused error feedback + blockwise absmax quantization + bit-plane packing.
+"""Fused error feedback + blockwise absmax quantization + packing.
 
 For each row (one codec block of ``B`` floats) of ``x`` and, optionally, an error-feedback
 residual ``e`` and uniform randoms ``u``::
@@ -29,8 +29,9 @@ Randomness comes in as ``u`` ([`commjax.noise.uniform`][] outside the kernel) so
 kernel and the reference see the same noise on every backend; there is no in-kernel
 RNG.
 
-Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``); Mosaic GPU
-(``commjax.kernels.mosaic_gpu``). Blocks whose size is not a multiple of 32 use the
+Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``). No GPU kernel: on CUDA
+``pallas`` runs the reference, which XLA fuses into less memory traffic than the Mosaic
+GPU kernels moved (``benchmarks/aot.py``). Blocks whose size is not a multiple of 32 use the
 reference everywhere. Inputs must be finite (``compressed_mean`` zeroes non-finite
 leaves before encoding): the codes of a NaN block are unspecified, its scale word is
 NaN on every path, so it decodes to NaN.
@@ -46,7 +47,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import packing
-from commjax.kernels import mosaic_gpu
 from commjax.kernels._bits import pack_tile
 from commjax.kernels._dispatch import dispatch, fence, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
@@ -150,7 +150,7 @@ def quantize_blocks(
         (``$COMMJAX_KERNELS``, else ``"auto"``): see ``commjax.kernels._dispatch``.
 
     Returns:
-      ``(rows, out)``: ``uint32[nb, bits * ceil(B/32) + 1]`` wire rows and the requested
+      ``(rows, out)``: ``uint32[nb, packed_words(B, bits) + 1]`` wire rows and the requested
       ``float32[nb, B]`` output (``None`` if ``output is None``).
     """
     levels = _check(x, uniforms, residual, bits, levels, output)
@@ -161,6 +161,5 @@ def quantize_blocks(
     if x.shape[1] % 32 or x.shape[0] == 0 or levels < 4:
         return reference(x, uniforms, residual)
     kernel = functools.partial(_pallas, tile=tile, **opts)
-    gpu = mosaic_gpu.quantize_kernel(x, uniforms, residual, **opts)
-    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel,
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel,
                     args=(x, uniforms, residual))

@@ -3,9 +3,8 @@ implementation takes from XLA.
 
 Each kernel of [`commjax.kernels`][] computes the same bits as its reference here; the
 references are the codecs' own arithmetic and the oracle of the tests. This module is
-the one both the Pallas kernels (``commjax.kernels.quantize``, ``sign``, ``decode``)
-and the Mosaic GPU kernels (``commjax.kernels.mosaic_gpu``) import, so that neither
-imports the other's module.
+the one the Pallas kernels (``commjax.kernels.quantize``, ``sign``, ``decode``, ``fp8``)
+import.
 
 Rounding rules shared by every implementation (why: XLA's CPU backend, LLVM and kernel
 compilers each decide for themselves whether to contract ``a * b + c`` into one fused
@@ -90,8 +89,15 @@ def row_absmax(y: jax.Array) -> jax.Array:
     bits = lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
     nb, b = bits.shape
     step = 8 if b % 8 == 0 else b
-    part = lax.optimization_barrier(jnp.max(bits.reshape(nb, b // step, step), axis=2))
-    return lax.bitcast_convert_type(jnp.max(part, axis=1), jnp.float32)
+
+    def split(v):  # CPU: see above
+        part = lax.optimization_barrier(jnp.max(v.reshape(nb, b // step, step), axis=2))
+        return jnp.max(part, axis=1)
+
+    # TPU and GPU reduce a row in one fusion; the split's [nb, b / 8, 8] intermediate has
+    # a minor dimension of 8, which a TPU pads to 128 lanes (16x its bytes).
+    top = lax.platform_dependent(bits, cpu=split, default=lambda v: jnp.max(v, axis=1))
+    return lax.bitcast_convert_type(top, jnp.float32)
 
 
 #: The smallest normal fp32, ``2**-126``: products below it are flushed to zero by XLA on

@@ -19,8 +19,9 @@ element, 8 with ``e``), the kernel reads them again and writes ``1/8 + 4/B`` byt
 payload plus 4 bytes of decoded value or residual if asked; the reference's unfused
 graph moves about twice as much.
 
-Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``); Mosaic GPU
-(``commjax.kernels.mosaic_gpu``). Blocks whose size is not a multiple of 32 use the
+Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``). No GPU kernel: on CUDA
+``pallas`` runs the reference, which XLA fuses into less memory traffic than the Mosaic
+GPU kernels moved (``benchmarks/aot.py``). Blocks whose size is not a multiple of 32 use the
 reference everywhere.
 """
 
@@ -34,7 +35,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import packing
-from commjax.kernels import mosaic_gpu
 from commjax.kernels._bits import pack_tile
 from commjax.kernels._dispatch import dispatch, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
@@ -108,5 +108,4 @@ def sign_blocks(
     if x.shape[1] % 32 or x.shape[0] == 0:
         return reference(x, residual)
     kernel = functools.partial(_pallas, output=output, tile=tile)
-    gpu = mosaic_gpu.sign_kernel(x, residual, output=output)
-    return dispatch(reference, impl=impl, tpu=kernel, gpu=gpu, interpret=kernel, args=(x, residual))
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(x, residual))

@@ -1,0 +1,171 @@
+"""The compiled accelerator program of every method, deviceless: HBM traffic, scratch, wire
+bytes, kernels and the overlap of the exchange, against the exact step of the same run.
+
+    pip install -e '.[aot]'     # jax[tpu] and jax[cuda12] at the pinned version
+    python benchmarks/aot.py --target v5e:2x4 --model mlp21m
+    python benchmarks/aot.py --target h100x8 --model gpt2s --methods exact,int8,sign
+
+For each method the update step (each replica's gradient in, parameters and state out;
+`commjax.aot.compile_update`) is compiled for the target and read by `commjax.aot.analyze`.
+Columns, per step and device (one replica):
+
+* ``traffic``: HBM bytes of the compiled program (layout padding counted), and ``x exact``:
+  its ratio to the exact step of the same family (``compressed_mean(cj.identity())`` + SGD;
+  for ZeRO rows, exact ``cj.zero``);
+* ``x ideal``: traffic over the one-pass ideal of the same program (inputs read once,
+  outputs written once, each collective's buffers once);
+* ``temp``: scratch bytes, and ``+grad``: ``(temp - exact temp) / gradient bytes``;
+* ``wire``: ring bytes of every collective; ``kernels``: the custom-call kernels;
+* ``projected``: the alpha-beta step time on the target's fast and slow links
+  (`commjax.aot`), and its ratio to the exact step's.
+
+Writes ``benchmarks/results/aot_<target>_<model>.json`` (one file per configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import commjax as cj  # noqa: E402
+from commjax import aot  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def models() -> dict:
+    """Parameter shapes (one replica) of the measured models."""
+    f32 = jnp.float32
+    s = jax.ShapeDtypeStruct
+
+    def gpt(layers: int, d: int, vocab: int = 50304, ctx: int = 1024) -> dict:
+        tree = {"wte": s((vocab, d), f32), "wpe": s((ctx, d), f32), "ln_f": s((d,), f32)}
+        for i in range(layers):
+            tree[f"h{i}"] = {"qkv": s((d, 3 * d), f32), "proj": s((d, d), f32), "fc": s((d, 4 * d), f32),
+                             "out": s((4 * d, d), f32), "ln1": s((d,), f32), "ln2": s((d,), f32),
+                             "b_fc": s((4 * d,), f32)}
+        return tree
+
+    return {
+        "mlp21m": {"w1": s((4096, 4096), f32), "w2": s((4096, 1024), f32), "b1": s((4096,), f32)},
+        "gpt2s": gpt(12, 768),
+        "gpt1b": gpt(24, 2048),
+    }
+
+
+def methods() -> dict:
+    """name -> (transform, family): the family names the exact row it is compared with."""
+    sgd = optax.sgd(0.1)
+    mean = lambda c, **kw: (optax.chain(cj.compressed_mean(c, "data", **kw), sgd), "mean")  # noqa: E731
+    adam = optax.adam(1e-3)
+    return {
+        "exact": mean(cj.identity()),
+        "bf16": mean(cj.cast(jnp.bfloat16)),
+        "int8": mean(cj.quantize(8)),
+        "int4": mean(cj.quantize(4)),
+        "sign": mean(cj.sign()),
+        "fp8": mean(cj.fp8()),
+        "top_k_1pct": mean(cj.top_k(0.01)),
+        "powersgd_r4": mean(cj.powersgd(4)),
+        "int8_pallas": mean(cj.quantize(8, kernels="pallas")),
+        "int4_pallas": mean(cj.quantize(4, kernels="pallas")),
+        "sign_pallas": mean(cj.sign(kernels="pallas")),
+        "fp8_pallas": mean(cj.fp8(kernels="pallas")),
+        "zero_exact": (cj.zero(adam, "data"), "zero"),
+        "zero_int8": (cj.zero(adam, "data", grad_codec=cj.quantize(8), weight_codec=cj.quantize(8)), "zero"),
+        "zero_q4_qwd4": (cj.zero(adam, "data", grad_codec=cj.quantize(4), weight_codec=cj.quantize(4)), "zero"),
+    }
+
+
+def measure(target: str, model: str, names: list, dump: Any = None) -> list:
+    params = models()[model]
+    mesh = aot.target_mesh(target)
+    grad_bytes = sum(4 * a.size for a in jax.tree_util.tree_leaves(params))
+    table = methods()
+    rows = []
+    for name in names:
+        tx, family = table[name]
+        t0 = time.perf_counter()
+        try:
+            compiled = aot.compile_update(tx, params, mesh)
+            rep = aot.analyze(compiled, target)
+            if dump:
+                Path(dump, f"{target.replace(':', '_')}_{model}_{name}.hlo").write_text(compiled.as_text())
+        except Exception as e:  # noqa: BLE001 - a method that does not compile is a result
+            rows.append({"method": name, "family": family, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"  {name}: does not compile: {rows[-1]['error'][:160]}", flush=True)
+            continue
+        rep.update(method=name, family=family, compile_s=time.perf_counter() - t0, grad_bytes=grad_bytes)
+        rows.append(rep)
+        print(f"  {name}: traffic {rep['traffic'] / 1e6:.1f} MB, temp {rep['temp'] / 1e6:.1f} MB, "
+              f"wire {rep['wire'] / 1e6:.2f} MB ({rep['compile_s']:.0f} s)", flush=True)
+    _ratios(rows)
+    return rows
+
+
+def _ratios(rows: list) -> None:
+    base = {"mean": "exact", "zero": "zero_exact"}
+    by = {r["method"]: r for r in rows if "error" not in r}
+    for r in rows:
+        if "error" in r:
+            continue
+        e = by.get(base[r["family"]])
+        r["over_ideal"] = r["traffic"] / r["ideal"] if r["ideal"] else float("nan")
+        if e is None:
+            continue
+        r["over_exact"] = r["traffic"] / e["traffic"]
+        r["temp_over_exact_in_grads"] = (r["temp"] - e["temp"]) / r["grad_bytes"]
+        for link in ("fast", "slow"):
+            r[f"projected_{link}_vs_exact"] = r[f"projected_{link}_s"] / e[f"projected_{link}_s"]
+
+
+def table(rows: list) -> str:
+    head = (f"{'method':14} {'traffic MB':>10} {'x exact':>7} {'x ideal':>7} {'temp MB':>8} {'+grad':>6} "
+            f"{'wire MB':>8} {'fast x':>7} {'slow x':>7}  kernels")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['method']:14} does not compile: {r['error'][:90]}")
+            continue
+        lines.append(
+            f"{r['method']:14} {r['traffic'] / 1e6:10.1f} {r.get('over_exact', float('nan')):7.2f} "
+            f"{r['over_ideal']:7.2f} {r['temp'] / 1e6:8.1f} {r.get('temp_over_exact_in_grads', float('nan')):6.2f} "
+            f"{r['wire'] / 1e6:8.2f} {r.get('projected_fast_vs_exact', float('nan')):7.2f} "
+            f"{r.get('projected_slow_vs_exact', float('nan')):7.2f}  {','.join(r['kernels']) or '-'}")
+    return "\n".join(lines)
+
+
+def main(argv: Any = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="v5e:2x4", choices=sorted(aot.TARGETS))
+    ap.add_argument("--model", default="mlp21m", choices=sorted(models()))
+    ap.add_argument("--methods", default=",".join(methods()))
+    ap.add_argument("--dump", default=None, help="also write each compiled HLO into this folder")
+    args = ap.parse_args(argv)
+    names = args.methods.split(",")
+    if "exact" not in names and any(methods()[n][1] == "mean" for n in names):
+        names = ["exact"] + names
+    rows = measure(args.target, args.model, names, args.dump)
+    print(table(rows))
+    out = RESULTS / f"aot_{args.target.replace(':', '_')}_{args.model}.json"
+    write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                        "target": args.target, "model": args.model, "jax": jax.__version__, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Memory traffic, kernels and the collective schedule of a compiled HLO module, read from
+its text (``compiled.as_text()``), for any backend and with the target's layouts.
+
+What one instruction of the entry computation (or of a ``while``/``conditional``/``call``
+it runs) moves in device memory (HBM): the bytes of its operands and results that live in
+the default memory space, each array at its *padded* size: the first tile of its layout
+rounds its minor dimensions up (TPU: ``T(8,128)`` pads the last two dimensions to
+multiples of 8 and 128; a ``u32[n, 8]`` array takes 16x its bytes). Arrays in other
+memory spaces (TPU VMEM and SMEM: ``S(1)``, ``S(2)``, ...) are on chip and count nothing.
+
+* views move nothing (``parameter``, ``constant``, ``get-tuple-element``, ``tuple``,
+  ``bitcast``, buffer allocations);
+* a fusion operand that the fused computation only slices counts as its slices;
+* an in-place update (``dynamic-update-slice`` or ``scatter``, alone or as a fusion's
+  root) moves its updates (read and written) and indices, not the whole buffer;
+* asynchronous pairs count once: a ``*-start`` its operands, a ``*-done`` its result.
+
+Conditional branches are counted apart (``branch_bytes``: the largest branch of each):
+they run on some steps only (a codec's overflow fallback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Optional
+
+__all__ = ["Instr", "Module", "parse", "array_bytes", "shape_bytes", "traffic", "Traffic"]
+
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8,
+         "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "s16": 16, "u16": 16, "f16": 16,
+         "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64,
+         "c128": 128}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_VIEWS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+          "replica-id", "after-all", "add-dependency", "opt-barrier"}
+_FREE_TARGETS = {"AllocateBuffer", "ConcatBitcast", "SliceToDynamic", "Sharding", "SPMDFullToShardShape",
+                 "SPMDShardToFullShape", "MoveToHost", "MoveToDevice"}
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclasses.dataclass
+class Instr:
+    """One instruction: ``shape`` is its result's text, ``operands`` the names it reads."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: list
+    attrs: str
+    root: bool = False
+    args: str = ""
+
+
+@dataclasses.dataclass
+class Module:
+    """A parsed module: computations in text (for a scheduled module: schedule) order."""
+
+    computations: dict
+    entry: str
+
+    def shapes(self, comp: str) -> dict:
+        return {i.name: i.shape for i in self.computations.get(comp, [])}
+
+
+def _split_top(text: str) -> tuple[str, str]:
+    """``(result shape, rest)`` of ``rest_of_line`` after ``=``: the shape may be a tuple."""
+    if text.startswith("("):
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return text[:i + 1], text[i + 1:].lstrip()
+    head, _, rest = text.partition(" ")
+    return head, rest
+
+
+def _instr(line: str) -> Optional[Instr]:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    shape, rest = _split_top(m.group(3))
+    op_m = re.match(r"([\w\-]+)\((.*)$", rest)
+    if not op_m:
+        return None
+    opcode, tail = op_m.group(1), op_m.group(2)
+    depth, end = 1, len(tail)
+    for i, ch in enumerate(tail):
+        depth += (ch in "({[") - (ch in ")}]")
+        if depth == 0:
+            end = i
+            break
+    args = re.sub(r"/\*.*?\*/", "", tail[:end])
+    operands = re.findall(r"%([\w.\-]+)", args)
+    return Instr(m.group(2), shape, opcode, operands, tail[end + 1:], bool(m.group(1)), args.strip())
+
+
+def parse(text: str) -> Module:
+    """The computations of an HLO module's text, each a list of :class:`Instr`."""
+    comps: dict = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        head = _HEADER.match(line)
+        if head:
+            current = head.group(2)
+            comps[current] = []
+            entry = current if head.group(1) else entry
+            continue
+        if current is not None and line.startswith(" "):
+            ins = _instr(line)
+            if ins is not None:
+                comps[current].append(ins)
+    return Module(comps, entry)
+
+
+def array_bytes(dtype: str, dims: str, layout: Optional[str]) -> tuple[float, int]:
+    """``(padded bytes, memory space)`` of one array ``dtype[dims]{layout}``."""
+    shape = [int(d) for d in dims.split(",") if d]
+    space = 0
+    if layout:
+        body = layout[1:-1]
+        order_text, _, rest = body.partition(":")
+        sm = re.search(r"S\((\d+)\)", rest)
+        space = int(sm.group(1)) if sm else 0
+        tm = re.match(r"T\(([\d,]+)\)", rest)
+        order = [int(o) for o in order_text.split(",") if o]
+        if tm and order and len(order) == len(shape):
+            tile = [int(t) for t in tm.group(1).split(",")]
+            minor_first = [shape[i] for i in order]  # dims from minor to major
+            for k, t in enumerate(reversed(tile)):
+                if k < len(minor_first):
+                    minor_first[k] = -(-minor_first[k] // t) * t
+            shape = minor_first
+    return math.prod(shape) * _BITS.get(dtype, 32) / 8.0, space
+
+
+def shape_bytes(shape: str, *, hbm_only: bool = True) -> float:
+    """Padded bytes of every array in an HLO shape text (tuples: each element)."""
+    total = 0.0
+    for dtype, dims, layout in _ARRAY.findall(shape):
+        if dtype not in _BITS:
+            continue
+        b, space = array_bytes(dtype, dims, layout or None)
+        if space == 0 or not hbm_only:
+            total += b
+    return total
+
+
+
+@dataclasses.dataclass
+class Traffic:
+    """HBM bytes of one computation: ``straight`` (every step), ``branch_bytes`` (the largest
+    branch of each conditional) and the top-level operations as ``(bytes, opcode, name)``,
+    largest first."""
+
+    straight: float
+    branch_bytes: float
+    ops: list
+
+
+def _called(ins: Instr) -> list:
+    names = [m.group(2) for m in _CALLS.finditer(ins.attrs)]
+    for group in _BRANCHES.findall(ins.attrs):
+        names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+    return names
+
+
+def _params(module: Module, comp: str) -> dict:
+    """Parameter name -> operand index, in computation ``comp``."""
+    return {i.name: int(i.args) for i in module.computations.get(comp, [])
+            if i.opcode == "parameter" and i.args.isdigit()}
+
+
+def _sliced_reads(module: Module, comp: str) -> dict:
+    """Operand index -> bytes read, for the parameters of ``comp`` that are only sliced."""
+    users: dict = {}
+    for i in module.computations.get(comp, []):
+        for a in i.operands:
+            users.setdefault(a, []).append(i)
+    out = {}
+    for name, index in _params(module, comp).items():
+        use = users.get(name, [])
+        if use and all(u.opcode in ("slice", "dynamic-slice") for u in use):
+            out[index] = sum(shape_bytes(u.shape) for u in use)
+    return out
+
+
+def _in_place(module: Module, ins: Instr, comp: Optional[str], sizes: dict) -> Optional[float]:
+    """Bytes of an in-place update: indices and updates read, updates written."""
+    if comp is not None:
+        roots = [i for i in module.computations.get(comp, []) if i.root]
+        if not roots or roots[0].opcode not in ("scatter", "dynamic-update-slice"):
+            return None
+        params = _params(module, comp)
+        buffer = roots[0].operands[0] if roots[0].operands else None
+        if buffer not in params:
+            return None
+        rest = [o for k, o in enumerate(ins.operands) if k != params[buffer]]
+    elif ins.opcode in ("scatter", "dynamic-update-slice"):
+        rest = ins.operands[1:]
+    else:
+        return None
+    if not rest:
+        return 0.0
+    return sum(shape_bytes(sizes.get(o, "")) for o in rest) + shape_bytes(sizes.get(rest[-1], ""))
+
+
+def instr_bytes(module: Module, ins: Instr, sizes: dict) -> float:
+    """HBM bytes one top-level instruction moves (module docstring)."""
+    if ins.opcode in _VIEWS:
+        return 0.0
+    if ins.opcode == "custom-call" and any(f'"{t}"' in ins.attrs for t in _FREE_TARGETS):
+        return 0.0
+    if ins.opcode.endswith("-done"):
+        return shape_bytes(ins.shape)
+    reads = [shape_bytes(sizes.get(o, "")) for o in ins.operands]
+    if ins.opcode.endswith("-start"):
+        return sum(reads)
+    comp = _fused(ins)
+    moved = _in_place(module, ins, comp, sizes)
+    if moved is not None:
+        return moved
+    sliced = _sliced_reads(module, comp) if comp else {}
+    return shape_bytes(ins.shape) + sum(min(sliced.get(k, r), r) for k, r in enumerate(reads))
+
+
+def _fused(ins: Instr) -> Optional[str]:
+    if ins.opcode != "fusion":
+        return None
+    m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else None
+
+
+def traffic(module: Module, comp: Optional[str] = None) -> Traffic:
+    """:class:`Traffic` of computation ``comp`` (the entry by default), with the
+    computations its ``while`` loops and ``call``\ s run added to ``straight``."""
+    comp = comp or module.entry
+    sizes = module.shapes(comp)
+    straight = branches = 0.0
+    ops = []
+    for ins in module.computations.get(comp, []):
+        if ins.opcode in ("while", "call"):
+            for c in _called(ins):
+                t = traffic(module, c)
+                straight, branches = straight + t.straight, branches + t.branch_bytes
+            continue
+        if ins.opcode == "conditional":
+            inner = [traffic(module, c) for c in _called(ins)]
+            branches += max((t.straight + t.branch_bytes for t in inner), default=0.0)
+            continue
+        b = instr_bytes(module, ins, sizes)
+        straight += b
+        if b:
+            ops.append((b, ins.opcode, ins.name))
+    return Traffic(straight, branches, sorted(ops, reverse=True))

@@ -1,0 +1,126 @@
+"""The deviceless measurement of compiled steps (commjax.aot, commjax._hlo_traffic): layout
+padding and memory spaces in the traffic count, the one-pass ideal, the schedule of
+asynchronous collectives, and (when the ``aot`` extra is installed) a compile for a TPU
+topology and an H100 target from this CPU machine."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import commjax as cj
+from commjax import _hlo_traffic as hlo
+from commjax import aot
+
+_TEXT = """HloModule jit_step, is_scheduled=true
+
+%fused_computation (param_0.1: f32[64,8], param_1.2: f32[64,8]) -> f32[64,8] {
+  %param_0.1 = f32[64,8]{1,0:T(8,128)} parameter(0)
+  %param_1.2 = f32[64,8]{1,0:T(8,128)} parameter(1)
+  ROOT %add.1 = f32[64,8]{1,0:T(8,128)} add(%param_0.1, %param_1.2)
+}
+
+%sliced (param_0.3: f32[1024]) -> f32[128] {
+  %param_0.3 = f32[1024]{0} parameter(0)
+  ROOT %slice.1 = f32[128]{0} slice(%param_0.3), slice={[0:128]}
+}
+
+%dot_comp (p0: f32[128,256], p1: f32[256,512]) -> f32[128,512] {
+  %p0 = f32[128,256]{1,0} parameter(0)
+  %p1 = f32[256,512]{1,0} parameter(1)
+  ROOT %dot.1 = f32[128,512]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[64,8], b: f32[64,8], c: f32[1024], d: f32[128,256], e: f32[256,512]) -> f32[64,8] {
+  %a = f32[64,8]{1,0:T(8,128)} parameter(0)
+  %b = f32[64,8]{1,0:T(8,128)} parameter(1)
+  %c = f32[1024]{0} parameter(2)
+  %d = f32[128,256]{1,0} parameter(3)
+  %e = f32[256,512]{1,0} parameter(4)
+  %ars = f32[1024]{0} all-reduce-start(%c), replica_groups={{0,1}}, to_apply=%fused_computation
+  %fusion.1 = f32[64,8]{1,0:T(8,128)} fusion(%a, %b), kind=kLoop, calls=%fused_computation
+  %fusion.2 = f32[128,512]{1,0} fusion(%d, %e), kind=kOutput, calls=%dot_comp
+  %vmem = f32[64,8]{1,0:T(8,128)S(1)} copy(%fusion.1)
+  %ard = f32[1024]{0} all-reduce-done(%ars)
+  %fusion.3 = f32[128]{0} fusion(%ard), kind=kLoop, calls=%sliced
+  ROOT %bc = f32[64,8]{1,0:T(8,128)} bitcast(%fusion.1)
+}
+"""
+
+
+def test_padded_bytes_and_memory_spaces():
+    # T(8,128) pads the minor dimension 8 to 128 lanes: 16x the bytes.
+    assert hlo.array_bytes("f32", "64,8", "{1,0:T(8,128)}") == (64 * 128 * 4, 0)
+    assert hlo.array_bytes("f32", "64,8", "{0,1:T(8,128)}") == (128 * 8 * 4, 0)  # transposed tile
+    assert hlo.array_bytes("bf16", "3,5", None) == (30, 0)
+    assert hlo.array_bytes("u32", "16", "{0:T(1024)S(1)}") == (4096, 1)
+    assert hlo.shape_bytes("(f32[4]{0}, f32[4]{0:S(1)})") == 16  # on-chip memory moves nothing
+
+
+def test_traffic_counts_views_slices_and_async_pairs():
+    module = hlo.parse(_TEXT)
+    t = hlo.traffic(module)
+    by = {name: b for b, _, name in t.ops}
+    tile = 64 * 128 * 4
+    assert by["fusion.1"] == 3 * tile  # two padded reads, one padded write
+    assert by["vmem"] == tile  # the read; the VMEM result is on chip
+    assert by["ars"] == 4096 and by["ard"] == 4096  # the start reads, the done writes
+    assert by["fusion.3"] == 128 * 4 + 128 * 4  # a fusion that only slices its operand
+    assert "bc" not in by  # a bitcast moves nothing
+    assert t.straight == sum(by.values())
+
+
+def test_overlap_and_ideal_from_the_schedule():
+    module = hlo.parse(_TEXT)
+    target = aot.TARGETS["h100x8"]
+    rows = aot.overlap(module, target, {"ars": 2048.0})
+    assert len(rows) == 1 and rows[0]["name"] == "ars"
+    assert rows[0]["matmuls"] == 1  # fusion.2 (a dot) sits between start and done
+    flops = 2.0 * 128 * 512 * 256
+    assert rows[0]["compute_s"] >= flops / target.peak_flops
+    assert rows[0]["transfer_s"] == pytest.approx(2048.0 / target.fast_link_bw)
+    tile = 64 * 128 * 4  # a padded f32[64, 8]
+    inputs = 2 * tile + 1024 * 4 + 128 * 256 * 4 + 256 * 512 * 4
+    assert aot._io_bytes(module) == inputs + tile  # the result: one padded f32[64, 8]
+    assert aot._collective_io(module) == 2 * 1024 * 4  # the send buffer read, the result written
+
+
+def test_analyze_a_compiled_cpu_step(mesh):
+    """The report of a real program (compiled for the CPU devices here): traffic at least
+    the ideal, wire bytes those of the collectives, the compressed step's traffic above the
+    exact one's on this backend too."""
+    params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32)}
+    reports = {}
+    for name, codec in (("exact", cj.identity()), ("int8", cj.quantize(8))):
+        tx = optax.chain(cj.compressed_mean(codec, "data"), optax.sgd(0.1))
+        compiled = aot.compile_update(tx, params, mesh)
+        reports[name] = aot.analyze(compiled, "h100x8")  # CPU program, H100 figures
+        assert reports[name]["traffic"] >= 0.99 * reports[name]["ideal"] > 0
+        assert reports[name]["wire"] == cj.collective_bytes(compiled).total_ring_bytes
+    assert reports["int8"]["wire"] < reports["exact"]["wire"] / 3
+
+
+def test_unknown_target_is_refused():
+    with pytest.raises(ValueError, match="target"):
+        aot.get_target("v9z")
+
+
+_EXTRAS = importlib.util.find_spec("libtpu") is not None and importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("target", ["v5e:2x4", "h100x8"])
+def test_deviceless_compile_for_accelerators(target):
+    """A small compressed step compiles for a TPU topology and an H100 from this machine,
+    with the Pallas TPU kernel in the TPU program."""
+    mesh = aot.target_mesh(target)
+    params = {"w": jax.ShapeDtypeStruct((512, 1024), jnp.float32)}
+    codec = cj.quantize(8, kernels="pallas")
+    tx = optax.chain(cj.compressed_mean(codec, "data"), optax.sgd(0.1))
+    rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
+    assert rep["traffic"] > 0 and rep["wire"] > 0
+    assert ("tpu_custom_call" in rep["kernels"]) == target.startswith("v")
