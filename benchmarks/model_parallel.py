@@ -54,11 +54,15 @@ C = pl.codec
 # --------------------------------------------------------------------------- 3-D runs
 
 
-PIPELINE = {  # name: (codecs, targets: {what: value}, what the targets are about)
+# 2-bit deltas: stochastic rounding, a scale per 128 elements (2.25 bits: 14.2x below fp32).
+# At seed 0 the sample mode's held-out gap was +2.9% with nearest rounding at block 256,
+# +2.7% stochastic, +3.5% / +3.1% after a Hadamard rotation, +2.7% / +2.4% at block 128.
+INT2 = cj.quantize(2, block_size=128, stochastic=True)
+PIPELINE = {  # name: (codecs, targets: {what: value})
     "pipeline_h4_int8": (pl.Codecs(C("h4"), C("int8")), {"fwd_x": 7.0, "fwd_x_bf16": 3.5, "gap": 0.01}),
-    "pipeline_delta_int2_sample": (pl.Codecs(C("int2"), delta="sample"), {"fwd_x": 14.0, "gap": 0.01}),
-    "pipeline_delta_int2_slot": (pl.Codecs(C("int2"), delta="slot"), {"fwd_x": 14.0, "gap": 0.01}),
-    "pipeline_int2_plain": (pl.Codecs(C("int2")), {}),
+    "pipeline_delta_int2_sample": (pl.Codecs(INT2, delta="sample"), {"fwd_x": 14.0, "gap": 0.01}),
+    "pipeline_delta_int2_slot": (pl.Codecs(INT2, delta="slot"), {"fwd_x": 14.0, "gap": 0.01}),
+    "pipeline_int2_plain": (pl.Codecs(INT2), {}),
     "pipeline_powersgd4_lazy": (pl.Codecs(bwd=C("powersgd4"), lazy=True), {"bwd_x": 8.0, "gap": 0.01}),
     "pipeline_powersgd4_plain": (pl.Codecs(bwd=C("powersgd4")), {}),
     "pipeline_powersgd4_lazy_epilogue": (pl.Codecs(bwd=C("powersgd4"), lazy=True, epilogue=True), {}),

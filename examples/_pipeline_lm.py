@@ -262,7 +262,8 @@ class Trainer:
         pipe = jax.tree_util.tree_map(
             lambda a: jax.device_put(np.broadcast_to(np.asarray(a)[None], (n,) + a.shape),
                                      NamedSharding(self.mesh, P(AXES))), self._pipe())
-        state = {"params": params, "opt": opt, "pipe": pipe, "step": jnp.zeros((), jnp.int32)}
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        state = {"params": params, "opt": opt, "pipe": pipe, "step": step}
         if self._fn is None:  # one compiled step for every seed
             self._build(state)
         return state
@@ -301,7 +302,10 @@ class Trainer:
                  "pipe": jax.tree_util.tree_map(lambda _: P(AXES), state["pipe"]), "step": P()}
         fn = _compat.shard_map(self._local, mesh=self.mesh, in_specs=(specs, P("data"), P("data")),
                                out_specs=(specs, P(AXES)), check_vma=False)
-        self._fn = jax.jit(fn, donate_argnums=(0,))
+        # The state keeps its layout from step to step (jit would hand an empty leaf, the
+        # slot mode's seen flags, back replicated).
+        keep = jax.tree_util.tree_map(lambda a: a.sharding, state)
+        self._fn = jax.jit(fn, donate_argnums=(0,), out_shardings=(keep, NamedSharding(self.mesh, P(AXES))))
 
     def place(self, tokens: np.ndarray, ids: np.ndarray):
         return jax.device_put(tokens, self.split), jax.device_put(ids, self.split)
