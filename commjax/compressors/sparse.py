@@ -46,7 +46,7 @@ import numpy as np
 from jax import lax
 
 from commjax.compressors.base import Compressor, Segment, check_choice
-from commjax.compressors.cast16 import cast
+from commjax.compressors.cast16 import Cast
 from commjax.compressors.exact import identity
 from commjax.validation import check_bool, check_dtype
 
@@ -521,7 +521,8 @@ class RandomK(Compressor):
         all-reduce) or bf16
         ([`cast`][commjax.compressors.sparse.cast], packed words summed in fp32 by the two-phase
         reducer)."""
-        return identity() if self.values_dtype_name == "float32" else cast(jnp.bfloat16)
+        # A few values: blocks of 2, so that padding to N chunks of whole blocks stays small.
+        return identity() if self.values_dtype_name == "float32" else Cast(block_size=2)
 
     def local_metrics(self, x, segments):
         """``density``: fraction of the bucket's entries sent (``K / n``, static)."""
