@@ -18,7 +18,7 @@ hold of replica ``i``. (Koloskova, Stich, Jaggi, "Decentralized Stochastic Optim
 and Gossip Algorithms with Compressed Communication", ICML 2019.)
 
 Bytes per step and device: ``k * 4 * sum_leaves payload_words`` (one collective-permute
-per neighbour direction), plus one fp32 all-reduce of a non-finite flag per leaf
+per neighbour direction), plus one fp32 all-reduce of a non-finite flag
 (``check_finite``): for ``cj.sign()`` on a ring, ``2 * 36 / 256`` bytes per parameter
 against the exact all-reduce's ``2 (N-1)/N * 4`` (N = 8: 24.9x fewer).
 
@@ -143,12 +143,14 @@ def _gossip(cfg: _Config, diffs: list, key) -> list:
     return rows
 
 
-def _flags(cfg: _Config, leaves: list) -> list:
-    """Per leaf, replicated: non-finite on some replica (one fp32 all-reduce of flags)."""
+def _any_bad(cfg: _Config, leaves: list) -> jax.Array:
+    """Replicated: some leaf is non-finite on some replica (one fp32 all-reduce of one
+    flag). The whole step is then skipped everywhere: a public copy that moved on one
+    replica and not on its neighbours would part them for good."""
     if not cfg.check_finite or not leaves:
-        return [jnp.zeros((), bool)] * len(leaves)
-    local = jnp.stack([jnp.where(guards.all_finite(l), 0.0, 1.0) for l in leaves])
-    return list(_compat.psum(local, cfg.axis_name) != 0)
+        return jnp.zeros((), bool)
+    ok = jnp.all(jnp.stack([guards.all_finite(l) for l in leaves]))
+    return _compat.psum(jnp.where(ok, 0.0, 1.0).reshape(1), cfg.axis_name)[0] != 0
 
 
 def _update(cfg: _Config, grads, state: ChocoState, params):
@@ -166,23 +168,22 @@ def _update(cfg: _Config, grads, state: ChocoState, params):
     step_key = jax.random.fold_in(state.key, state.count)
     key = _leaf_key(cfg.codec, step_key, cfg.axis_name, "choco")
     rows = _gossip(cfg, [h - pub[i] for h, i in zip(half, idx)], key)
-    bad = _flags(cfg, half)
+    bad = _any_bad(cfg, half)
     w = 1.0 / rows[0].shape[0] if rows else 1.0
     out, new_pub, new_nb, gaps = list(u_leaves), list(pub), list(nb), [[], []]
     for k, i in enumerate(idx):
         p_hat = pub[i] + rows[k][0]
         s = nb[i] + w * jnp.sum(rows[k], axis=0)
         u = u_leaves[i].astype(jnp.float32) + cfg.gamma * (s - p_hat)
-        out[i] = (u + jnp.where(bad[k], jnp.nan, 0.0)).astype(p_leaves[i].dtype)
-        new_pub[i] = jnp.where(bad[k], pub[i], p_hat)
-        new_nb[i] = jnp.where(bad[k], nb[i], s)
+        out[i] = (u + jnp.where(bad, jnp.nan, 0.0)).astype(p_leaves[i].dtype)
+        new_pub[i] = jnp.where(bad, pub[i], p_hat)
+        new_nb[i] = jnp.where(bad, nb[i], s)
         x_new = p_leaves[i].astype(jnp.float32) + u
         gaps[0].append(jnp.sum(jnp.square(x_new - p_hat)))
         gaps[1].append(jnp.sum(jnp.square(x_new - s)))
-    any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
-    new_inner = guards.keep_if(any_bad, inner, new_inner)
+    new_inner = guards.keep_if(bad, inner, new_inner)
     unflat = lambda ls: jax.tree_util.tree_unflatten(treedef, ls)  # noqa: E731
-    metrics = {name: jnp.sqrt(sum(g, jnp.zeros((), jnp.float32))).reshape(1)
+    metrics = {name: jnp.where(bad, state.metrics[name], jnp.sqrt(sum(g, jnp.zeros((), jnp.float32))))
                for name, g in zip(("public_gap", "neighbour_gap"), gaps)}
     return unflat(out), ChocoState(
         state.count + 1, state.key, unflat(new_pub), unflat(new_nb),
@@ -217,8 +218,9 @@ def choco(inner: optax.GradientTransformation, axis_name: Any = "data", *,
       topology: ``"ring"`` (2 neighbours) or ``"torus"`` (4, the most square grid).
       gamma: consensus step size in ``(0, 1]``: small for coarse codecs (the public copies
         lag behind), ``1`` with exact gossip (plain neighbourhood averaging).
-      check_finite: a non-finite value on any replica makes that leaf's update NaN on
-        every replica (one fp32 all-reduce of one flag per leaf) and keeps the state.
+      check_finite: a non-finite value on any replica makes the whole update NaN on every
+        replica (one fp32 all-reduce of one flag) and keeps the state: every replica skips
+        the step (``optax.apply_if_finite`` after it).
       seed: seed of the replicated key (stochastic codecs).
 
     Returns:
@@ -253,7 +255,7 @@ def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
     sent += 4.0 * sum(c.words for c in coders.values())
     transfers = [Transfer(f"gossip to {k} neighbours", "collective-permute", k * sent)]
     if cfg.check_finite and leaves:
-        transfers.append(Transfer("NaN flags", "all-reduce", ring_bytes("all-reduce", 4 * len(leaves), num_replicas)))
+        transfers.append(Transfer("NaN flag", "all-reduce", ring_bytes("all-reduce", 4, num_replicas)))
     n = sum(math.prod(jnp.shape(l)) for l in leaves)
     return CommunicationPlan("choco", num_replicas, tuple(transfers), ring_bytes("all-reduce", 4 * n, num_replicas))
 
