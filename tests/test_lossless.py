@@ -144,6 +144,61 @@ def test_float32_is_exact_for_every_pattern(mesh):
         np.testing.assert_array_equal(got[r].view(np.uint32), pats.reshape(-1))
 
 
+def _all_16bit(dtype) -> jax.Array:
+    """Every 16-bit pattern once, as ``[N, 8192]`` of ``dtype`` (NaN payloads, signalling
+    NaNs, subnormals, +-0, +-inf)."""
+    return jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16),
+                                        dtype).reshape(N, -1)
+
+
+def _gathered_bits(mesh, codec, x) -> np.ndarray:
+    """What replica 0 holds after ``cc.all_gather(x, codec)`` (every replica holds the same
+    bits), as unsigned integers of the input's width."""
+    fn = jax.jit(_compat.shard_map(lambda a: cc.all_gather(a[0], AX, codec)[None], mesh=mesh,
+                                   in_specs=P(AX), out_specs=P(AX)))
+    got = np.asarray(fn(jax.device_put(x, NamedSharding(mesh, P(AX)))))
+    assert got.dtype == np.asarray(x).dtype
+    bits = got.view(np.uint16 if got.itemsize == 2 else np.uint32)
+    assert all(np.array_equal(b, bits[0]) for b in bits)
+    return bits[0]
+
+
+@pytest.mark.parametrize("dtype,codec", [("bfloat16", CODEC), ("bfloat16", cj.lossless(jnp.float32)),
+                                         ("float16", cj.lossless(jnp.float32))],
+                         ids=["bf16-lossless", "bf16-lossless_f32", "f16-lossless_f32"])
+def test_every_pattern_of_the_input_dtype_is_kept(mesh, dtype, codec):
+    """The public all_gather on 16-bit leaves: all 65536 patterns come back bit for bit
+    (XLA's float32 -> bfloat16 conversion would turn every NaN into 0x7FC0)."""
+    x = _all_16bit(jnp.dtype(dtype))
+    np.testing.assert_array_equal(_gathered_bits(mesh, codec, x), np.arange(1 << 16, dtype=np.uint16))
+
+
+def test_what_lossless_bf16_keeps_of_float16_and_float32(mesh):
+    """``lossless()`` carries bfloat16: a float16 leaf comes back as its value rounded to
+    bfloat16 (to nearest even), in float16; its NaNs keep their sign and top 7 payload bits
+    (quieted where those are zero). A float32 leaf: the same rounding, NaNs likewise."""
+    x = _all_16bit(jnp.float16)
+    got = _gathered_bits(mesh, CODEC, x)
+    h = np.arange(1 << 16, dtype=np.uint32)
+    f = np.asarray(x).reshape(-1).astype(np.float32)  # exact: every float16 number is a float32
+    b = f.view(np.uint32)
+    want = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16).view(np.float32)  # round to bfloat16
+    with np.errstate(over="ignore"):
+        want = want.astype(np.float16).view(np.uint16)
+    m = (h >> 3) & 0x7F  # the float16 NaN's top 7 payload bits (of 10)
+    nan = (h & 0x7FFF) > 0x7C00
+    want = np.where(nan, (h & 0x8000) | 0x7C00 | (np.where(m == 0, 0x40, m) << 3), want).astype(np.uint16)
+    np.testing.assert_array_equal(got, want)
+    assert int(got[0x7BFF]) == 0x7C00  # 65504 rounds to 65536: +inf in float16
+    pats = np.random.default_rng(3).integers(0, 1 << 32, (N, 1024), dtype=np.uint64).astype(np.uint32)
+    got32 = _gathered_bits(mesh, CODEC, jnp.asarray(pats).view(jnp.float32))
+    top = pats.reshape(-1) >> 16
+    nan32 = (pats.reshape(-1) & 0x7FFFFFFF) > 0x7F800000
+    rounded = (pats.reshape(-1).astype(np.uint64) + 0x7FFF + (top & 1)) >> 16
+    want32 = np.where(nan32, top | np.where((top & 0x7F) == 0, 0x40, 0), rounded).astype(np.uint32) << 16
+    np.testing.assert_array_equal(got32, want32)
+
+
 @pytest.mark.exact_codegen
 def test_training_equals_cast_bf16_bit_for_bit():
     """60 steps of Adam on the non-i.i.d. task with error feedback (60 to fit the test

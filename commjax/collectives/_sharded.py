@@ -14,6 +14,7 @@ from jax import lax
 
 from commjax import _compat
 from commjax.compressors.base import Compressor
+from commjax.compressors.lossless import from_float32, to_float32
 from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _fallback_cond, _is_exact, _items, _names, _overflow_anywhere, _vary_out, decode_rows,
@@ -36,7 +37,9 @@ def _gather_impl(tree, axis_name, codec, key, invariant: bool):
         out[i] = gather(leaves[i])
     if items:
         rkey = replica_key(codec, key, axis_name, "all_gather")
-        flats = [jnp.pad(jnp.ravel(leaves[it.index]).astype(jnp.float32), (0, it.padded - it.size))
+        # Exact conversions both ways: a gathered value arrives as it was sent, 16-bit NaN
+        # payloads included (XLA's float32 -> bfloat16 conversion would clear them).
+        flats = [jnp.pad(to_float32(jnp.ravel(leaves[it.index])), (0, it.padded - it.size))
                  for it in items]
         got = _gather_encoded(codec, flats, items, gather, rkey)
         vals = _fallback_cond(
@@ -44,7 +47,7 @@ def _gather_impl(tree, axis_name, codec, key, invariant: bool):
             lambda: _decode_items(codec.fallback, _gather_encoded(codec.fallback, flats, items, gather, None),
                                   items))
         for it, v in zip(items, vals):
-            out[it.index] = v.reshape((n * it.shape[0],) + it.shape[1:]).astype(it.dtype)
+            out[it.index] = from_float32(v, it.dtype).reshape((n * it.shape[0],) + it.shape[1:])
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -21,6 +21,23 @@ and training with ``lossless()`` equals training with ``cast(jnp.bfloat16)`` thr
 same reducer. It is also ``cast(jnp.bfloat16, wire="lossless")``: the wire format of
 [`commjax.cast`][].
 
+What a gather ([`commjax.collectives.all_gather`][], [`commjax.fsdp_gather`][]) hands
+back, per leaf dtype (its leaves enter and leave through
+[`to_float32`][commjax.compressors.lossless.to_float32] /
+[`from_float32`][commjax.compressors.lossless.from_float32], exact both ways):
+
+| leaf | ``lossless()`` | ``lossless(jnp.float32)`` |
+|---|---|---|
+| bfloat16 | every pattern | every pattern |
+| float32 | rounded to bfloat16 (NaN: sign and top 7 payload bits, quieted if those are 0) | every pattern |
+| float16 | rounded to bfloat16, back in float16: 3 of 10 mantissa bits lost, magnitudes from 65408 up become inf; NaN: top 7 of 10 payload bits | every pattern |
+| float64, float8 | XLA's conversion to float32, then as float32 | XLA's conversion to float32 |
+
+A mean or a sum (``compressed_mean``, ``reduce_scatter``, ``all_reduce``) adds every
+replica's exact (bfloat16-rounded) values in fp32 and rounds the result to the leaf's
+dtype; a NaN or an infinity on any replica makes it NaN. ``ppermute`` refuses this codec
+(its fallback needs every replica of the axis to agree).
+
 Escape overflow: when some block of some replica has more far-below exponents than
 slots, its payload cannot be decoded. The reducers read each payload's overflow bits
 ([`Lossless.payload_overflow`][commjax.compressors.lossless.Lossless.payload_overflow]): an
@@ -54,7 +71,7 @@ from commjax.compressors.exact import Identity
 from commjax.kernels.lossless import header_column, lossless_decode, lossless_encode, lossless_words
 from commjax.validation import check_dtype, check_int
 
-__all__ = ["Lossless", "RawBf16", "lossless", "bf16_bits", "bf16_value"]
+__all__ = ["Lossless", "RawBf16", "lossless", "bf16_bits", "bf16_value", "to_float32", "from_float32"]
 
 
 def bf16_bits(x: jax.Array) -> jax.Array:
@@ -73,6 +90,42 @@ def bf16_value(h: jax.Array) -> jax.Array:
     """float32 of bfloat16 patterns ``h`` (uint32): exact for every pattern, NaN payloads
     included."""
     return lax.bitcast_convert_type(h << 16, jnp.float32)
+
+
+def to_float32(x: jax.Array) -> jax.Array:
+    """``x`` as float32, every bfloat16 and float16 pattern kept: bfloat16 by its bits
+    (``h << 16``), float16 by XLA's conversion (exact for numbers) with its NaNs rebuilt
+    from their bits (``s << 31 | 0x7F800000 | m << 13``: a conversion would quiet a
+    signalling NaN). Other dtypes are converted (float64 rounds to float32)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bfloat16:
+        return bf16_value(lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32))
+    if x.dtype == jnp.float16:
+        h = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+        nan = (h & 0x7FFF) > 0x7C00
+        bits = (h & 0x8000) << 16 | 0x7F800000 | (h & 0x3FF) << 13
+        return jnp.where(nan, lax.bitcast_convert_type(bits, jnp.float32), x.astype(jnp.float32))
+    return x.astype(jnp.float32)
+
+
+def from_float32(v: jax.Array, dtype: Any) -> jax.Array:
+    """float32 ``v`` in ``dtype``, the inverse of
+    [`to_float32`][commjax.compressors.lossless.to_float32] on what it returns: bfloat16
+    by [`bf16_bits`][commjax.compressors.lossless.bf16_bits] (round to nearest even; a NaN
+    keeps its sign and top payload bits), float16 by XLA's conversion with NaNs truncated
+    by their bits (quieted only where the kept payload would be zero). XLA's own
+    float32 -> bfloat16 conversion replaces every NaN by 0x7FC0."""
+    dtype = jnp.dtype(dtype)
+    v = jnp.asarray(v, jnp.float32)
+    if dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(bf16_bits(v).astype(jnp.uint16), jnp.bfloat16)
+    if dtype == jnp.float16:
+        b = lax.bitcast_convert_type(v, jnp.uint32)
+        m = (b >> 13) & 0x3FF
+        bits = (b >> 16) & 0x8000 | 0x7C00 | jnp.where(m == 0, 0x200, m)
+        nan = (b & 0x7FFFFFFF) > 0x7F800000
+        return jnp.where(nan, lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16), v.astype(jnp.float16))
+    return v.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +228,7 @@ class Lossless(BlockCompressor):
         """What every replica receives for ``x`` (any shape, float dtype), exact even where
         a block would overflow (the fallback carries it)."""
         x = jnp.asarray(x)
-        return self._values(jnp.ravel(x)).reshape(x.shape).astype(x.dtype)
+        return from_float32(self._values(to_float32(jnp.ravel(x))), x.dtype).reshape(x.shape)
 
     def _headers(self, words: jax.Array) -> jax.Array:
         rows = words.reshape(-1, self.row_words)
@@ -213,6 +266,10 @@ def lossless(dtype: Any = jnp.bfloat16, block_size: int = 256, delta_bits: int =
     ``reducer="allgather"`` or ``"two_phase"`` (the mean is summed in fp32 from the exact
     bfloat16 values), [`commjax.collectives.all_gather`][] and ``reduce_scatter``, and
     ``cj.zero(..., weight_codec=cj.lossless())``.
+
+    Every bit pattern of a bfloat16 leaf comes back from a gather as it was; with
+    ``dtype=jnp.float32`` every pattern of a bfloat16, float16 or float32 leaf does. What
+    is kept of other dtypes: the module docstring's table.
 
     Args:
       dtype: ``jnp.bfloat16`` (inputs rounded to it; 12.375 bits per element) or
