@@ -33,6 +33,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import _devices  # noqa: E402
 
 _devices.simulate_cpu_devices(8)
+# On a loaded 2-core machine a device thread can reach a collective more than XLA's default
+# 40 s after the others; that aborts the process without being a deadlock (tests/xla_flags.py).
+os.environ["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -132,15 +135,17 @@ def _ratios(base: dict, run: dict) -> dict:
 def _verdict(targets: dict, ratios: dict, gaps: list, base_losses: list) -> dict:
     """Each target met or not. The loss target is on the mean relative gap of the held-out
     loss over the seeds (one seed's gap is noise-dominated at this size: the baseline's own
-    spread over seeds is reported beside it)."""
+    spread over seeds is reported beside it), one-sided: a compressed run may end lower."""
     met = {}
     for what, value in targets.items():
         if what == "gap":
             mean = float(np.mean(gaps))
             spread = float(np.std(base_losses) / np.mean(base_losses))
-            met["gap"] = {"target": f"mean held-out gap over the seeds within {100 * value:g}%",
-                          "mean": mean, "per_seed": [float(g) for g in gaps],
-                          "baseline_spread_over_seeds": spread, "met": bool(abs(mean) <= value)}
+            met["gap"] = {"target": f"mean held-out loss over the seeds at most {100 * value:g}% "
+                                    "above the baseline's", "mean": mean,
+                          "stderr": float(np.std(gaps) / np.sqrt(max(1, len(gaps) - 1))),
+                          "per_seed": [float(g) for g in gaps],
+                          "baseline_spread_over_seeds": spread, "met": bool(mean <= value)}
         else:
             met[what] = {"target": f">= {value}x", "measured": ratios[what], "met": bool(ratios[what] >= value)}
     return met
