@@ -113,27 +113,31 @@ def all_finite_elementwise(x: jax.Array) -> jax.Array:
 def l2_norm(arrays: Sequence[jax.Array]) -> jax.Array:
     """``sqrt(sum_k ||a_k||^2)`` over real arrays, in fp32, finite whenever the norm is.
 
-    One sum of squares, read where the arrays are; only if it overflowed (a value past
-    ``1.8e19``) a conditional recomputes it as ``m sqrt(sum (a / m)^2)`` with ``m`` the
-    power of two just above ``max |a|``: inf only where the norm itself exceeds fp32. The arrays are operands of that conditional, so use it on values
-    that are in memory anyway (state, residuals), not on fused intermediates.
+    One scaled reduction (as BLAS ``nrm2`` does), never a sum of raw squares, which
+    overflows past ``1.8e19``: each element is a pair ``(|a|, 1)`` and two pairs combine
+    into ``(m, q_1 (m_1 / m)**2 + q_2 (m_2 / m)**2)`` with ``m = max(m_1, m_2)``; the
+    norm is ``m sqrt(q)``. One read of each array, fused where it is computed: a
+    conditional recomputation (on overflow) took the arrays as operands and kept XLA from
+    fusing the reduction (on an H100, 185 MB more traffic per step of a 21M-parameter
+    model: ``benchmarks/aot.py``).
     """
     arrays = [jnp.ravel(a).astype(jnp.float32) for a in arrays]
     if not arrays:
         return jnp.zeros((), jnp.float32)
-    squares = sum(jnp.sum(jnp.square(a)) for a in arrays)
+    m, q = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    for a in arrays:
+        big = jnp.abs(a)
+        ones = jnp.where(big > 0, jnp.float32(1.0), jnp.float32(0.0))
+        am, aq = lax.reduce((big, ones), (jnp.float32(0.0), jnp.float32(0.0)), _scaled_pair, (0,))
+        m, q = _scaled_pair((m, q), (am, aq))
+    return m * jnp.sqrt(q)
 
-    def scaled(parts):
-        # m = 2**e just above max |a|, applied as two normal powers of two: 1 / m itself is
-        # subnormal (flushed to zero) for m > 2**126.
-        # Products, not quotients: XLA folds (a / lo) / hi into a / (lo hi), and lo hi = 2**128
-        # is inf.
-        _, e = jnp.frexp(jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in parts])))
-        lo, hi = (e // 2).astype(jnp.float32), (e - e // 2).astype(jnp.float32)
-        total = sum(jnp.sum(jnp.square(a * jnp.exp2(-lo) * jnp.exp2(-hi))) for a in parts)
-        return jnp.sqrt(total) * jnp.exp2(lo) * jnp.exp2(hi)
 
-    return lax.cond(jnp.isinf(squares), scaled, lambda _: jnp.sqrt(squares), arrays)
+def _scaled_pair(x, y):
+    (m1, q1), (m2, q2) = x, y
+    m = jnp.maximum(m1, m2)
+    safe = jnp.where(m > 0, m, jnp.float32(1.0))
+    return m, q1 * jnp.square(m1 / safe) + q2 * jnp.square(m2 / safe)
 
 
 def keep_if(bad: jax.Array, old: Any, new: Any) -> Any:
