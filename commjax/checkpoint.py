@@ -295,10 +295,26 @@ def latest_step(directory: str | os.PathLike) -> Optional[int]:
         return c.latest_step()
 
 
+def _check_made_for(paths: list, saved_paths: list, step: int) -> None:
+    """States of commjax transforms name what they were made for in a path
+    (``.made_for['<fingerprint>']``, [`commjax.fingerprint`][]): say so when those differ."""
+    mine = [p for p in paths if ".made_for[" in p]
+    theirs = [p for p in saved_paths if ".made_for[" in p]
+    for got, want in zip(mine, theirs):
+        if got != want:
+            where, _, key = got.partition(".made_for[")
+            raise CheckpointMismatchError(
+                f"Checkpointer.restore: at {where}, the checkpoint (step {step}) holds a state made for "
+                f"{want.partition('.made_for[')[2].rstrip(']')} and `like` one made for {key.rstrip(']')}: "
+                "another compressor, other options or other parameters (commjax.fingerprint). "
+                "Restore into the state of the transform the checkpoint was saved from.")
+
+
 def _check_paths(paths: list, saved_paths: list, step: int) -> None:
     """The template's leaf paths must be the checkpoint's: name the first difference."""
     if paths == saved_paths:
         return
+    _check_made_for(paths, saved_paths, step)
     first = next((i for i, (a, b) in enumerate(zip(paths, saved_paths)) if a != b),
                  min(len(paths), len(saved_paths)))
     got = paths[first] if first < len(paths) else "<end>"

@@ -45,7 +45,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from commjax import _compat
 from commjax.varying import trace_varying
@@ -150,12 +150,39 @@ def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
     return _map_marked(one, state)
 
 
+def _check_laid_out(state: Any, axis_name: Any) -> None:
+    """Refuse a local state (as ``tx.init`` returns it: concrete arrays on one device,
+    none placed on a mesh) whose state classes declare per-replica leaves: ``P(axis)``
+    would split one replica's values over the replicas (on more than one device)."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    one_device = [isinstance(getattr(l, "sharding", None), SingleDeviceSharding) for _, l in flat]
+    if jax.device_count() == 1 or not flat or not all(one_device):
+        return  # placed, abstract or traced: nothing to tell
+    marked = jax.tree_util.tree_leaves(_map_marked(lambda leaf, m: m, state))
+    first = next(((p, l) for (p, l), m in zip(flat, marked) if m), None)
+    if first is not None:
+        raise ValueError(
+            f"state_specs: `state` is a local state, as tx.init(params) returns it: its per-replica "
+            f"leaves (such as {jax.tree_util.keystr(first[0])}, shape {tuple(first[1].shape)}) hold "
+            f"one replica's values, and P({axis_name!r}) would split them over the replicas. Lay it "
+            f"out first: state = cj.init_sharded(tx, params, mesh, {axis_name!r}) (or "
+            f"cj.shard_state(state, mesh, {axis_name!r}, tx=tx, params=params)).")
+
+
 def state_specs(state: Any, axis_name: Any) -> Any:
     """``PartitionSpec``s for ``state``: ``P(axis_name)`` per replica, ``P()`` replicated
     (see [`per_replica_mask`][commjax.layout.per_replica_mask] for how that is decided); a leaf
     placed over other mesh
     axes too (a model-parallel state, [`init_sharded`][commjax.layout.init_sharded]) keeps its
-    placement's spec."""
+    placement's spec.
+
+    Raises:
+      ValueError: ``state`` is a local state fresh from ``tx.init`` (concrete arrays none of
+        which is placed on a mesh, some declared per replica), on more than one device: lay
+        it out with [`init_sharded`][commjax.layout.init_sharded] or
+        [`shard_state`][commjax.layout.shard_state] first.
+    """
+    _check_laid_out(state, axis_name)
     mask = per_replica_mask(state, axis_name)
     names = _axis_names(axis_name)
 
@@ -258,7 +285,14 @@ def unshard_state(state: Any, replica: int = 0) -> Any:
 def pmap_state(state: Any, num_devices: Optional[int] = None) -> Any:
     """Give every leaf a leading device axis of size ``num_devices`` (default: all local
     devices), as ``jax.pmap`` expects. Per-replica and replicated leaves alike: at init
-    they are identical on every replica."""
+    they are identical on every replica.
+
+    ``num_devices`` must be the number of devices the ``pmap`` runs on: fewer than all
+    local devices only with ``jax.pmap(step, devices=jax.local_devices()[:num_devices])``.
+    A state laid out for another count is refused by ``jax.pmap`` itself, before any
+    commjax code runs, with JAX's error (``IndivisibleError: ... implies that array axis 0
+    is partitioned 8 times, but the dimension size is 4``): lay the state out again with
+    the pmap's device count."""
     n = jax.local_device_count() if num_devices is None else num_devices
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= jax.local_device_count():
         raise ValueError(f"pmap_state: `num_devices` must be an integer in [1, "

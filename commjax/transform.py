@@ -35,6 +35,7 @@ import optax
 from jax import lax
 
 from commjax import _compat, bucket as flat_bucket, ef21, guards, validation
+from commjax.fingerprint import check_made_for, describe, made_for
 from commjax.collectives._exact import exact_mean
 from commjax.collectives._reducers import check_reducer, reduce_parts
 from commjax.compressors.base import Compressor
@@ -75,6 +76,9 @@ class CompressedMeanState(NamedTuple):
         extra collective: ``residual_norm`` (l2 norm of this replica's worker residual),
         ``nonfinite`` (1 if a compressed leaf was non-finite on some replica), and the
         compressor's own (``compressor.metric_names``).
+      made_for: replicated, ``{fingerprint: uint32[1]}``: the compressor and options, the
+        parameters' keys and shapes the state was made for ([`commjax.fingerprint`][]);
+        ``update`` refuses gradients and transforms it was not made for.
     """
 
     count: jax.Array
@@ -83,6 +87,7 @@ class CompressedMeanState(NamedTuple):
     server_residual: Any
     compressor_state: Any
     metrics: dict
+    made_for: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,23 +147,35 @@ def _num_replicas_now(cfg: ExchangeConfig) -> int:
 # ------------------------------------------------------------------ the step, in stages
 
 
-def _validate(cfg: ExchangeConfig, leaves, state: CompressedMeanState):
+def _validate(cfg: ExchangeConfig, updates, leaves, state: CompressedMeanState):
     """Axes bound, gradients unreduced, the state made for these gradients: ``(plan, N)``."""
     n_rep = guards.check_bound(cfg.axis_name, "compressed_mean")
     guards.check_bound(cfg.inner_axis_name, "compressed_mean")
     plan = cfg.plan(leaves, n_rep)
     if cfg.axis_name is not None:
         guards.check_unreduced(leaves, cfg.axis_name, "compressed_mean")
-    _check_state(cfg, plan, state, n_rep)
+    _check_state(cfg, plan, state, n_rep, updates)
     return plan, n_rep
 
 
-def _check_state(cfg: ExchangeConfig, plan: MeanPlan, state, n_rep: int) -> None:
+def _options(cfg: ExchangeConfig) -> tuple:
+    """What the state's meaning depends on, for its fingerprint."""
+    return (cfg.compressor, cfg.error_feedback, cfg.reducer, cfg.residual_dtype, cfg.min_compress_size,
+            cfg.compress_vectors)
+
+
+_MAKE_STATE = ("Make the state with this transform's init (cj.init_sharded(tx, params, mesh, axis)), "
+               "or restore a checkpoint saved by the same chain.")
+
+
+def _check_state(cfg: ExchangeConfig, plan: MeanPlan, state, n_rep: int, updates) -> None:
     """The state must be what ``init`` makes for these gradients, compressor and replica
     count, in its local (per-replica) view: say which of these differs."""
     if not isinstance(state, CompressedMeanState):
         raise TypeError(f"compressed_mean: `state` must be the CompressedMeanState made by "
                         f"init(); got {type(state).__name__}.")
+    check_made_for("compressed_mean", state.made_for, cfg.compressor.name, _options(cfg), updates,
+                   num_replicas=n_rep, fix=_MAKE_STATE, label=describe(cfg.compressor))
     want_cs = jax.eval_shape(lambda: _exchange_state(cfg, plan, n_rep))
     got_cs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), state.compressor_state)
     if jax.tree_util.tree_structure(got_cs) != jax.tree_util.tree_structure(want_cs) or any(
@@ -429,7 +446,7 @@ def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics) -> dict:
 
 def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     leaves, treedef = jax.tree_util.tree_flatten(updates)
-    plan, n_rep = _validate(cfg, leaves, state)
+    plan, n_rep = _validate(cfg, updates, leaves, state)
     leaves = _inner_mean(cfg, leaves, plan)
     step_key = jax.random.fold_in(state.key, state.count)
     replica_key = step_key if cfg.axis_name is None else jax.random.fold_in(
@@ -451,6 +468,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
         count=state.count + 1, key=state.key, residual=residual, server_residual=server,
         compressor_state=cs,
         metrics=_metrics(cfg, residual, any_bad, {} if comp is None else comp.metrics),
+        made_for=state.made_for,
     )
     return jax.tree_util.tree_unflatten(treedef, out), new_state
 
@@ -640,4 +658,5 @@ def _init(cfg: ExchangeConfig, params) -> CompressedMeanState:
                          if plan.server_residual_size else ()),
         compressor_state=comp_state,
         metrics={name: jnp.zeros((1,), jnp.float32) for name in names},
+        made_for=made_for(cfg.compressor.name, _options(cfg), params),
     )

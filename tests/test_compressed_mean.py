@@ -236,7 +236,8 @@ def test_apply_if_finite_skips_poisoned_step():
 
 def test_state_specs_mark_only_residuals_per_replica():
     tx = optax.chain(cj.compressed_mean(cj.quantize(4), "data", num_replicas=8), optax.adam(1e-3))
-    state = tx.init({"w": jnp.zeros((64, 64)), "b": jnp.zeros((64,))})
+    mesh = _compat.make_mesh((8,), ("data",))
+    state = cj.shard_state(tx.init({"w": jnp.zeros((64, 64)), "b": jnp.zeros((64,))}), mesh, "data")
     specs = cj.state_specs(state, "data")
     cm = specs[0]
     assert cm.residual == (P("data"),) and cm.server_residual == P("data")

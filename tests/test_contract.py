@@ -346,3 +346,119 @@ def test_fsdp_gather_hlo_bytes_equal_the_plan(mesh):
     plan = cj.communication_plan(cj.fsdp_gather, like, N, codec=codec, grad_codec=grad_codec, align=256)
     assert rep.total_ring_bytes == pytest.approx(plan.compiled_bytes, abs=0.5), rep.table()
 
+
+
+# ------------------------------------------------------------ a state made for something else
+
+#: Transforms whose state records what it was made for (commjax.fingerprint), each with
+#: another transform whose state has the same shapes.
+_MADE_FOR = {
+    "mean-top_k": (lambda: _mean_case(cj.top_k(0.1), "auto")(), lambda: _mean_case(cj.quantize(4), "allgather")()),
+    "mean-sign": (lambda: _mean_case(cj.sign(), "two_phase")(), lambda: _mean_case(cj.quantize(4), "two_phase")()),
+    "mean-powersgd": (lambda: _mean_case(cj.powersgd(2), "auto")(), lambda: _mean_case(cj.powersgd(2, seed=1), "auto")()),
+    "zero_q4": (CASES["zero_q4"], lambda: cj.zero(optax.adam(1e-3), AX, grad_codec=cj.sign(), min_compress_size=MIN,
+                                                 weight_codec=cj.quantize(8, stochastic=False), grad_error_feedback=True)),
+}
+_MISUSES = {  # name: (what the gradients (and parameters) become on each replica, the error)
+    "renamed": (lambda t: {"a": t["b"], "x": t["v"], "z": t["w"]}, "other keys"),
+    "reshaped": (lambda t: {**t, "w": t["w"].reshape(40, 48)}, "other shapes"),
+    "swapped": (lambda t: {**t, "v": t["w"], "w": t["v"]}, "other shapes"),
+    "split": (lambda t: jax.tree_util.tree_map(lambda a: a[:a.shape[0] // N], t), r"split over the replicas' axis.*P\(\)"),
+}
+
+
+@pytest.fixture(scope="module")
+def made_states(mesh):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = [cj.init_sharded(make(), _params(), mesh, AX) for make in _MADE_FOR[name]]
+        return cache[name]
+
+    return get
+
+
+def _trace_step(mesh, tx, state, change=lambda t: t):
+    """Trace (not compile) one step of ``tx`` from ``state`` on the gradients ``change``
+    makes of each replica's own."""
+    def step(p, s, g):
+        p1, g1 = (change(jax.tree_util.tree_map(lambda a: a[0], t)) for t in (p, g))
+        return tx.update(g1, s, p1)[1]
+
+    specs = cj.state_specs(state, AX)
+    glob = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((N,) + a.shape, a.dtype), _params())
+    return jax.eval_shape(_compat.shard_map(step, mesh=mesh, in_specs=(P(AX), specs, P(AX)), out_specs=specs),
+                          glob, state, glob)
+
+
+@pytest.mark.parametrize("name", sorted(_MADE_FOR))
+def test_state_of_another_transform_is_refused(mesh, made_states, name):
+    """A state made for another codec (or another codec's options) is refused by name, not
+    taken for another replica count; the transform's own state is accepted."""
+    (make, _), (state, other) = _MADE_FOR[name], made_states(name)
+    _trace_step(mesh, make(), state)
+    with pytest.raises(ValueError, match="the state was made for") as err:
+        _trace_step(mesh, make(), other)
+    assert "replicas" not in str(err.value) and "init_sharded" in str(err.value)
+
+
+@pytest.mark.parametrize("misuse", sorted(_MISUSES))
+@pytest.mark.parametrize("name", sorted(_MADE_FOR))
+def test_gradients_of_other_parameters_are_refused(mesh, made_states, name, misuse):
+    """Renamed keys, a reshaped leaf, two leaves of different shapes exchanged, parameters
+    split over the axis (``in_specs=P(axis)``): each refused with its cause and fix."""
+    change, match = _MISUSES[misuse]
+    with pytest.raises(ValueError, match=match):
+        _trace_step(mesh, _MADE_FOR[name][0](), made_states(name)[0], change)
+
+
+@pytest.mark.parametrize("name", sorted(_MADE_FOR))
+def test_checkpoint_of_another_chain_is_refused(made_states, name, tmp_path):
+    """A checkpoint restored into the state of another transform: refused by
+    commjax.checkpoint (naming both fingerprints) and by orbax's own restore."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state, other = made_states(name)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, {"opt": state})
+        with pytest.raises(ValueError, match="made for"):
+            ckpt.restore({"opt": other})
+    path = tmp_path / "orbax"
+    with ocp.StandardCheckpointer() as c:
+        c.save(path, state)
+    with ocp.StandardCheckpointer() as c, pytest.raises(Exception, match="made_for"):
+        c.restore(path, jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, other))
+
+
+@pytest.mark.parametrize("name", ["mean-sign", "zero_q4"])
+def test_state_for_another_replica_count_is_refused(mesh, name):
+    """A state sized for 4 replicas (``num_replicas=4``) on 8: the fix names the count."""
+    tx = {"mean-sign": lambda **kw: cj.compressed_mean(cj.sign(), AX, reducer="two_phase", min_compress_size=MIN, **kw),
+          "zero_q4": lambda **kw: cj.zero(optax.adam(1e-3), AX, grad_codec=cj.quantize(4), min_compress_size=MIN, **kw)}[name]
+    state = cj.shard_state(tx(num_replicas=4).init(_params()), mesh, AX)
+    with pytest.raises(ValueError, match="num_replicas=8"):
+        _trace_step(mesh, tx(), state)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_local_state_is_refused_by_state_specs(name):
+    """``tx.init(params)`` laid out by nothing: state_specs names init_sharded/shard_state
+    instead of shard_map's divisibility error (a state without per-replica leaves, exact
+    DiLoCo's, is the same on every replica: its specs are all ``P()``)."""
+    state = CASES[name]().init(_params())
+    if not any(jax.tree_util.tree_leaves(cj.per_replica_mask(state))):
+        specs = jax.tree_util.tree_leaves(cj.state_specs(state, AX), is_leaf=lambda x: isinstance(x, P))
+        assert all(sp == P() for sp in specs)
+        return
+    with pytest.raises(ValueError, match="local state.*init_sharded"):
+        cj.state_specs(state, AX)
+
+
+def test_pmap_state_for_another_device_count_is_refused_by_pmap():
+    """``pmap_state(num_devices=4)`` under a pmap over 8 devices: JAX's pmap refuses the
+    arguments before any commjax code runs (what pmap_state's docstring says)."""
+    tx = cj.compressed_mean(cj.quantize(4), AX, min_compress_size=MIN)
+    state = cj.pmap_state(tx.init(_params()), num_devices=4)
+    grads = jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params())
+    with pytest.raises(Exception, match="axis 0 is partitioned 8 times, but the dimension size is 4"):
+        jax.pmap(lambda g, s: tx.update(g, s)[1], axis_name=AX)(grads, state)

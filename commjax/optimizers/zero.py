@@ -62,6 +62,7 @@ from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_pla
 from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec
 from commjax.compressors.base import BlockCompressor, Compressor
+from commjax.fingerprint import check_made_for, made_for
 from commjax.fsdp import gather_exact, scatter_exact, shard_size
 from commjax.layout import per_replica
 from commjax.transform import AxisNotBoundError
@@ -87,6 +88,8 @@ class ZeroState(NamedTuple):
         ``[N s]`` array per compressed leaf (a full-size buffer); ``()`` otherwise.
       metrics: per replica, ``{"nonfinite": float32[1]}``: 1 if the last step saw a
         non-finite gradient on some replica.
+      made_for: replicated, ``{fingerprint: uint32[1]}``: the codecs and options, the
+        parameters' keys and shapes the state was made for ([`commjax.fingerprint`][]).
 
     Memory per replica: ``|master| + |inner_state| ~= (1 + k) n / N`` fp32 values for an
     inner optimizer with ``k`` moment buffers (Adam: ``3 n / N``), plus the residual.
@@ -98,6 +101,7 @@ class ZeroState(NamedTuple):
     inner_state: Any
     residual: tuple
     metrics: dict
+    made_for: dict
 
 
 class _Leaf(NamedTuple):
@@ -132,6 +136,17 @@ class _Config:
             if c is not None:
                 out = out * c.alignment // math.gcd(out, c.alignment)
         return out
+
+    @property
+    def name(self) -> str:
+        """The codecs, for the state's fingerprint: ``zero-<grad codec>-<weight codec>``."""
+        return "-".join(["zero"] + [c.name if c is not None else "fp32" for c in (self.grad_codec, self.weight_codec)])
+
+    @property
+    def options(self) -> tuple:
+        """What the state's meaning depends on, for its fingerprint."""
+        return (self.grad_codec, self.weight_codec, self.inner_grad_codec, self.inner_weight_codec,
+                self.weight_delta, self.grad_error_feedback, self.min_compress_size)
 
     @property
     def axes(self) -> tuple:
@@ -381,6 +396,9 @@ def _update(cfg: _Config, inner, grads, state: ZeroState, params):
     p_leaves = None if params is None else jax.tree_util.tree_leaves(params)
     n = math.prod(_compat.axis_size(a) for a in cfg.axes)
     plan = _plan(g_leaves, n, cfg)
+    check_made_for("zero", getattr(state, "made_for", None), cfg.name, cfg.options, grads, num_replicas=n,
+                   fix="Make the state with this transform's init (cj.init_sharded(tx, params, mesh, "
+                       "axis)), or restore a checkpoint saved by the same transform.")
     _check_inputs(cfg, g_leaves, p_leaves, plan, state, n)
     first = state.count == 0
     if cfg.check_replicated:
@@ -403,7 +421,8 @@ def _update(cfg: _Config, inner, grads, state: ZeroState, params):
     new_state = ZeroState(
         count=state.count + 1, key=state.key, master=tuple(new_master),
         inner_state=jax.tree_util.tree_map(lambda x: x[None], new_inner), residual=residual,
-        metrics={"nonfinite": jnp.where(bad, 1.0, 0.0).astype(jnp.float32).reshape(1)})
+        metrics={"nonfinite": jnp.where(bad, 1.0, 0.0).astype(jnp.float32).reshape(1)},
+        made_for=state.made_for)
     return jax.tree_util.tree_unflatten(treedef, updates), new_state
 
 
@@ -544,7 +563,8 @@ def zero(
         return ZeroState(
             count=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(cfg.seed), master=master,
             inner_state=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], inner_state),
-            residual=residual, metrics={"nonfinite": jnp.zeros((1,), jnp.float32)})
+            residual=residual, metrics={"nonfinite": jnp.zeros((1,), jnp.float32)},
+            made_for=made_for(cfg.name, cfg.options, params))
 
     def update_fn(updates, state, params=None):
         return _update(cfg, inner, updates, state, params)
