@@ -218,3 +218,42 @@ def test_collectives_full_range(op, name):
         g64 = np.asarray(g, np.float64)
         bound = rel * np.max(np.abs(g64), axis=tuple(range(1, g64.ndim)), keepdims=True) + SLACK
         assert np.all(np.abs(o[0] - g64) <= bound), f"all_gather/{name}: {k}: error above bound"
+
+
+#: Codecs whose values travel in a type that cannot hold every finite float32 (bfloat16,
+#: largest 3.3895e38) or are rescaled past float32's largest (random-k by ~1 / ratio):
+#: (codec, error feedback).
+SATURATING = {
+    "cast_bf16": (cj.cast(jnp.bfloat16), True),
+    "lossless": (cj.lossless(), True),
+    "top_k_bf16": (cj.top_k(0.1, values_dtype=jnp.bfloat16), True),
+    "random_k_bf16": (cj.random_k(0.1, values_dtype=jnp.bfloat16), True),
+    "random_k_rescaled": (cj.random_k(0.1, rescale=True), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SATURATING))
+def test_values_beyond_the_wire_type_saturate(name):
+    """Values up to float32's largest (3.4028e38): each saturates at the largest value its
+    wire type holds (rounding or rescaling would give infinity), so the mean is finite and
+    identical on every replica, within the codec's bound of it, and nothing is flagged."""
+    codec, ef = SATURATING[name]
+    mesh = _mesh()
+    fmax = float(np.finfo(np.float32).max)
+    signs = np.where(np.random.default_rng(1).random((N, 16, 256)) < 0.5, -1.0, 1.0)
+    g = {"w": (signs * fmax * np.linspace(0.99, 1.0, 256)).astype(np.float32)}
+    tx = cj.compressed_mean(codec, AX, error_feedback=ef)
+    state = cj.init_sharded(tx, jax.tree_util.tree_map(lambda a: jnp.asarray(a[0]), g), mesh, AX)
+    specs = cj.state_specs(state, AX)
+
+    def step(x, s):
+        u, s2 = tx.update(jax.tree_util.tree_map(lambda a: a[0], x), s)
+        return u["w"][None], s2
+
+    out, new = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(AX), specs), out_specs=(P(AX), specs),
+                                         check_vma=False))(jax.device_put(g, NamedSharding(mesh, P(AX))), state)
+    out = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(out)) and all(np.array_equal(o, out[0]) for o in out), name
+    assert int(np.max(np.asarray(new.metrics["nonfinite"]))) == 0, f"{name}: a finite step was flagged"
+    rel = 1.0 / 0.1 + 1 if name.startswith(("random_k", "top_k")) else 1e-2
+    assert np.max(np.abs(out[0] - np.asarray(g["w"], np.float64).mean(0))) <= rel * fmax, name

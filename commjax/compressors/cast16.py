@@ -25,8 +25,9 @@ class Cast(BlockCompressor):
     """Round to a 16-bit float (round-to-nearest-even) and send two values per uint32 word
     (blocks of 256 values: word ``w`` holds values ``w`` and ``w + 128``).
 
-    ``float16`` saturates at +-65504 instead of overflowing to infinity; with error
-    feedback the clipped excess is carried to the next step.
+    Finite values saturate at the type's largest (``float16`` +-65504, ``bfloat16``
+    +-3.3895e38: float32 values above it would round to infinity) instead of overflowing;
+    with error feedback the clipped excess is carried to the next step.
 
     Bytes: ``2 n`` per replica payload. Reduced by the two-phase reducer (all-to-all of
     words, fp32 sums, re-rounding, all-gather), so the sum never accumulates in 16 bits.
@@ -52,9 +53,11 @@ class Cast(BlockCompressor):
         return self.block_size // 2
 
     def _round(self, x: jax.Array) -> jax.Array:
-        if self.dtype_name == "float16":
-            x = jnp.clip(x, -65504.0, 65504.0)
-        return x.astype(self.dtype)
+        """Round to the 16-bit type, finite values saturating at its largest (65504, or
+        bfloat16's 3.3895e38, beyond which float32 values would round to infinity);
+        infinities and NaN stay what they are (flagged)."""
+        top = float(jnp.finfo(self.dtype).max)
+        return jnp.where(jnp.isinf(x), x, jnp.clip(x, -top, top)).astype(self.dtype)
 
     def encode_blocks(self, blocks, key, start=0):
         """Word ``w`` of a block holds value ``w`` in its low half and ``w + B / 2`` in its

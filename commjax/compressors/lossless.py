@@ -76,14 +76,20 @@ __all__ = ["Lossless", "RawBf16", "lossless", "bf16_bits", "bf16_value", "to_flo
 
 def bf16_bits(x: jax.Array) -> jax.Array:
     """The bfloat16 pattern (in uint32) of float32 ``x``, rounded to nearest even as
-    ``astype(jnp.bfloat16)`` does for every non-NaN value; a NaN keeps its sign and top
-    payload bits (quieted only if they are all zero, where truncation would give inf).
+    ``astype(jnp.bfloat16)`` does for every non-NaN value below bfloat16's largest
+    (3.3895e38; a finite value above it saturates there, as [`commjax.cast`][] does);
+    a NaN keeps its sign and top payload bits (quieted only if they are all zero, where
+    truncation would give inf).
     Integer arithmetic, because XLA's conversion quiets or canonicalizes NaN payloads."""
     b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     nan = (b & 0x7FFFFFFF) > 0x7F800000
     top = b >> 16
-    return jnp.where(nan, top | jnp.where((top & 0x7F) == 0, 0x40, 0).astype(jnp.uint32),
-                     (b + 0x7FFF + (top & 1)) >> 16)
+    rounded = (b + 0x7FFF + (top & 1)) >> 16
+    # A finite value above bfloat16's largest (3.3895e38) saturates there, as cast(bf16)
+    # does, instead of rounding to infinity.
+    rounded = jnp.where(((rounded & 0x7F80) == 0x7F80) & ((b & 0x7FFFFFFF) < 0x7F800000),
+                        (top & 0x8000) | 0x7F7F, rounded)
+    return jnp.where(nan, top | jnp.where((top & 0x7F) == 0, 0x40, 0).astype(jnp.uint32), rounded)
 
 
 def bf16_value(h: jax.Array) -> jax.Array:

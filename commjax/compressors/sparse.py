@@ -101,10 +101,21 @@ def _u16_words(count: int) -> int:
     return -(-count // 2)
 
 
+def _saturate(v: jax.Array, finite: jax.Array, dtype: Any) -> jax.Array:
+    """``v`` clipped to the largest finite value of ``dtype`` where ``finite`` (the value
+    it came from was finite): a float32 value above bfloat16's largest (3.3895e38) would
+    round to infinity, and a rescaled random-k value can exceed float32's. Elsewhere
+    (infinities, NaN) it is left as it is, to be flagged."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.where(finite, jnp.clip(v, -top, top), v)
+
+
 def _pack_values(v: jax.Array, dtype_name: str) -> jax.Array:
-    """float32[c] -> uint32[_value_words(c)]: fp32 bit patterns, or bf16 pairs per word."""
+    """float32[c] -> uint32[_value_words(c)]: fp32 bit patterns, or bf16 pairs per word
+    (saturating at bfloat16's largest)."""
     if dtype_name == "float32":
         return lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+    v = _saturate(v, jnp.isfinite(v), jnp.bfloat16)
     return _pack_u16(lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16))
 
 
@@ -476,9 +487,10 @@ class RandomK(Compressor):
     def encode_linear(self, x, key, segments=None):
         pos, stratum = self.positions(key, x.shape[0], segments)
         vals = x[pos]
-        if self.rescale:
-            vals = vals * stratum
-        return vals.astype(self.values_dtype)
+        out = vals * stratum if self.rescale else vals
+        # Finite values stay finite: saturated at the values' largest (a rescaled value
+        # above float32's, or one above bfloat16's), a bias only where |x| > max * k / n.
+        return _saturate(out, jnp.isfinite(vals), self.values_dtype).astype(self.values_dtype)
 
     def decode_linear(self, summed, n, key=None, segments=None):
         if key is None:
@@ -557,8 +569,10 @@ def random_k(ratio: float = 0.01, *, rescale: bool = False, values_dtype: Any = 
 
     Args:
       ratio: density in (0, 1].
-      rescale: unbiased scaling by the inverse inclusion probability (~``1 / ratio``).
-      values_dtype: ``jnp.float32`` or ``jnp.bfloat16``.
+      rescale: unbiased scaling by the inverse inclusion probability (~``1 / ratio``); a
+        rescaled value beyond the values' largest (``|x| > 3.4e38 ratio`` in float32)
+        saturates there (finite, biased toward zero).
+      values_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (values above 3.3895e38 saturate).
     """
     r = _check_ratio(ratio, factory="random_k")
     vname = _value_dtype_name(values_dtype, factory="random_k")
