@@ -413,6 +413,21 @@ def test_bytes_4m_model_against_exact_mean(comp, min_ratio):
         assert plan.routing.compressed_bytes == pytest.approx((N - 1) * 8 * k)
 
 
+@pytest.mark.parametrize("replicas,reducer,min_ratio", [(8, "allgather", 12.0), (10, "allgather", 9.5),
+                                                        (11, "two_phase", 19.0), (64, "two_phase", 19.0)])
+def test_auto_reducer_for_top_k_by_bytes_at_the_replica_count(replicas, reducer, min_ratio):
+    """``reducer="auto"``: the all-gather, whose bytes grow with the replicas, until
+    two-phase sends at most half of them (the margin for the owner's second selection);
+    at 64 replicas the all-gather would send only 1.6x fewer bytes than the exact mean."""
+    plan = communication_plan(top_k(0.01), FOUR_M, replicas)
+    assert plan.routing.reducer == reducer and plan.compression_ratio >= min_ratio, plan.table()
+    both = {r: communication_plan(top_k(0.01), FOUR_M, replicas, reducer=r).bytes_per_step
+            for r in ("allgather", "two_phase")}
+    assert (both["two_phase"] * 2 < both["allgather"]) == (reducer == "two_phase")
+    if replicas == 64:
+        assert communication_plan(top_k(0.01), FOUR_M, 64, reducer="allgather").compression_ratio < 1.6
+
+
 def test_bf16_random_k_sends_half_the_bytes():
     comp = random_k(0.01, values_dtype=jnp.bfloat16)
     plan = communication_plan(comp, {"w0": jnp.zeros((256, 512)), "w1": jnp.zeros((300, 70))}, N,
