@@ -64,12 +64,12 @@ def param_shapes(cfg: dict):
 def row(name: str, params, n: int, reps: int, vname: str, compile_hlo: bool) -> dict:
     """One (model, values dtype, N) row; HLO numbers are None where not compiled."""
     vdtype = VALUES[vname]
-    plan = cj.communication_plan(cj.decoupled_momentum(1e-3, values_dtype=vdtype), params, reps).bytes_per_step
-    payload = cj.communication_plan(cj.decoupled_momentum(1e-3, values_dtype=vdtype), params, 2).bytes_per_step
+    plan = cj.communication_plan(cj.decoupled_momentum(1e-3, chunk_size=64, top_k=32, values_dtype=vdtype), params, reps).bytes_per_step
+    payload = cj.communication_plan(cj.decoupled_momentum(1e-3, chunk_size=64, top_k=32, values_dtype=vdtype), params, 2).bytes_per_step
     ring = cj.ring_bytes("all-reduce", 4 * n, reps)
     hlo = exact = None
     if compile_hlo:
-        tx = cj.decoupled_momentum(1e-3, values_dtype=vdtype)
+        tx = cj.decoupled_momentum(1e-3, chunk_size=64, top_k=32, values_dtype=vdtype)
         hlo = update_collectives(tx, params, reps).total_ring_bytes
         exact = update_collectives(cj.compressed_mean(cj.identity(), "data"), params,
                                    reps).total_ring_bytes

@@ -156,7 +156,7 @@ def _payload(runs: dict, args) -> dict:
     demos = {n: r["final_eval"] for n, r in runs.items()
              if r["config"]["kind"] == "demo" and not r["config"].get("seed", 0)}
     best_demo = min(demos, key=demos.get) if demos else None
-    # The bytes: DeMo's own defaults (64 x 64 tiles, 32 fp32 coefficients each).
+    # The bytes of DeMo's defaults (64 x 64 tiles, 48 bf16 coefficients each: those of 32 fp32 ones).
     budget = cj.communication_plan(cj.decoupled_momentum(1e-3), _charlm.make_model(
         d_model=64, layers=2, heads=2, seq_len=32, seed=0)[1], crossdc.N).bytes_per_step
     cheap = {n: v for n, v in demos.items() if runs[n]["bytes_per_step"] <= budget}

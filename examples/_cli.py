@@ -11,7 +11,7 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 COMPRESSORS = (
-    "identity", "cast", "quantize", "qsgd", "terngrad", "sign", "top_k", "random_k", "powersgd",
+    "identity", "cast", "quantize", "fp8", "qsgd", "terngrad", "sign", "top_k", "random_k", "powersgd",
 )
 # Optimizers applied after `compressed_mean` (the compressor flags choose the exchange) ...
 PLAIN_OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
@@ -76,9 +76,11 @@ def add_compression_args(p: argparse.ArgumentParser, *, compressor: str = "quant
     g.add_argument("--bits", type=int, choices=(2, 4, 8), default=4,
                    help="quantize: bits per element (default 4)")
     g.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
-                   help="quantize: stochastic (unbiased, default) or nearest rounding")
+                   help="quantize/fp8: stochastic (unbiased, default) or nearest rounding")
+    g.add_argument("--fp8-format", choices=("e4m3", "e5m2"), default="e4m3",
+                   help="fp8: the FP8 format of the codes (default e4m3)")
     g.add_argument("--block-size", type=positive_int, default=256,
-                   help="quantize/qsgd/terngrad/sign: elements per fp32 scale (default 256)")
+                   help="quantize/fp8/qsgd/terngrad/sign: elements per fp32 scale (default 256)")
     g.add_argument("--levels", type=positive_int, default=16, help="qsgd: levels per sign (default 16)")
     g.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                    help="cast: 16-bit wire type (default bfloat16)")
@@ -106,8 +108,8 @@ def add_compression_args(p: argparse.ArgumentParser, *, compressor: str = "quant
                         "in [0, 1] (default 0)")
     g.add_argument("--chunk-size", type=positive_int, default=64,
                    help="decoupled_momentum: DCT tile side (default 64)")
-    g.add_argument("--top-k", type=positive_int, default=32,
-                   help="decoupled_momentum: DCT coefficients sent per tile (default 32)")
+    g.add_argument("--top-k", type=positive_int, default=48,
+                   help="decoupled_momentum: DCT coefficients sent per tile, bf16 values (default 48)")
     g.add_argument("--beta", type=float, default=0.999,
                    help="decoupled_momentum: momentum decay in [0, 1) (default 0.999)")
     g.add_argument("--warmup-steps", type=nonneg_int, default=None,

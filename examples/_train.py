@@ -117,6 +117,9 @@ def make_compressor(args: Any) -> cj.Compressor:
     if name == "quantize":
         return cj.quantize(bits=args.bits, block_size=args.block_size,
                            stochastic=getattr(args, "rounding", "stochastic") == "stochastic")
+    if name == "fp8":
+        return cj.fp8(args.fp8_format, block_size=args.block_size,
+                      stochastic=getattr(args, "rounding", "stochastic") == "stochastic")
     if name == "qsgd":
         return cj.qsgd(levels=args.levels, block_size=args.block_size)
     if name == "terngrad":
@@ -135,6 +138,7 @@ def compressor_label(args: Any) -> str:
     opts = {
         "cast": f"({args.dtype})", "qsgd": f"({args.levels} levels)",
         "quantize": f"({args.bits}-bit{', nearest' if getattr(args, 'rounding', '') == 'nearest' else ''})",
+        "fp8": f"({getattr(args, 'fp8_format', '')}{', nearest' if getattr(args, 'rounding', '') == 'nearest' else ''})",
         "top_k": f"({args.ratio:g})", "random_k": f"({args.ratio:g})", "powersgd": f"(rank {args.rank})",
     }.get(name, "")
     ef = "" if name == "identity" or not args.no_error_feedback else ", no EF"

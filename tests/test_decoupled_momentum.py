@@ -142,7 +142,7 @@ def _stepper(mesh, tx, params):
 
 @pytest.fixture(scope="module")
 def demo(mesh):
-    tx = cj.decoupled_momentum(LR, beta=BETA, chunk_size=C, top_k=K, weight_decay=WD)
+    tx = cj.decoupled_momentum(LR, beta=BETA, chunk_size=C, top_k=K, weight_decay=WD, values_dtype=jnp.float32)
     return _stepper(mesh, tx, _params())
 
 
@@ -229,7 +229,7 @@ def test_everything_kept_is_the_sign_of_the_exact_mean(mesh):
     """With ``top_k = chunk_size**2`` nothing stays behind: the momentum is empty after
     each step and DeMo is signSGD on the exact mean gradient."""
     shapes = {"a": (16, 16), "w": (16, 12)}
-    tx = cj.decoupled_momentum(0.5, beta=BETA, chunk_size=4, top_k=16)
+    tx = cj.decoupled_momentum(0.5, beta=BETA, chunk_size=4, top_k=16, values_dtype=jnp.float32)
     f, state = _stepper(mesh, tx, {k: np.zeros(s, np.float32) for k, s in shapes.items()})
     for t in range(2):
         g = {k: v for k, v in _grads(t, shapes).items() if k in shapes}
@@ -275,10 +275,12 @@ def test_the_plan_counts_the_payload_words(values_dtype, n_rep):
 
 
 def test_payload_ratio_of_a_full_tile():
-    """A 64 x 64 tile with 32 coefficients kept sends 32 * (4 + 2) bytes: 85x below fp32."""
+    """A 64 x 64 tile with the default 48 bf16 coefficients sends 48 * (2 + 2) bytes, as 32
+    fp32 ones do (32 * (4 + 2)): 85x below fp32."""
     params = {"w": jax.ShapeDtypeStruct((256, 128), jnp.float32)}
     payload = cj.communication_plan(cj.decoupled_momentum(0.1), params, 2).bytes_per_step
-    assert payload == 8 * 32 * 6
+    fp32 = cj.communication_plan(cj.decoupled_momentum(0.1, top_k=32, values_dtype=jnp.float32), params, 2)
+    assert payload == 8 * 48 * 4 == fp32.bytes_per_step == 8 * 32 * 6
     assert 256 * 128 * 4 / payload == pytest.approx(4096 * 4 / 192)
 
 
@@ -310,7 +312,8 @@ def test_top_k_larger_than_a_1d_chunk_names_the_leaf():
 
 def test_missing_params_and_a_state_for_other_shapes():
     p = {"w": jnp.zeros((8, 8))}
-    local = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, axis_name=None, weight_decay=0.1)
+    local = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, axis_name=None, weight_decay=0.1,
+                                   values_dtype=jnp.float32)
     with pytest.raises(ValueError, match="weight_decay needs the parameters"):
         local.update(p, local.init(p))
     with pytest.raises(ValueError, match="state's momentum has shape"):
@@ -320,7 +323,8 @@ def test_missing_params_and_a_state_for_other_shapes():
 def test_one_replica_is_signum_of_the_transmitted_momentum():
     """``axis_name=None``: no collective; the step is the sign of what was sent, and the
     momentum keeps the rest."""
-    tx = cj.decoupled_momentum(0.1, beta=0.5, chunk_size=4, top_k=16, axis_name=None)
+    tx = cj.decoupled_momentum(0.1, beta=0.5, chunk_size=4, top_k=16, axis_name=None,
+                                values_dtype=jnp.float32)
     g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)}
     u, s = jax.jit(tx.update)(g, tx.init(g))
     np.testing.assert_array_equal(np.asarray(u["w"]), -0.1 * np.sign(np.asarray(g["w"])))
