@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 
@@ -152,7 +153,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     meta = {"steps": args.steps, "task": "noniid_classification(8)", "devices": "8 simulated CPU devices"}
     write_results(os.path.join(args.out, f"{args.name}.json"), {"meta": meta, "rows": rows, "curves": curves},
-                  command="python benchmarks/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+                  command="python benchmarks/convergence.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
     try:
         import matplotlib
         matplotlib.use("Agg")
