@@ -267,19 +267,29 @@ def _raise_if_differ(differ) -> None:
             "in_specs=P() in shard_map, or check_replicated=False to skip this test.")
 
 
-def _check_replicated(cfg: _Config, params: list, first: jax.Array) -> None:
-    """At the first step only: compare the parameters' fingerprints across replicas
-    (two 4-byte all-reduces inside a conditional) and raise if they differ."""
+def _check_replicated(cfg: _Config, params: list, first: jax.Array) -> jax.Array:
+    """At the first step only: compare the parameters' fingerprints across replicas (two
+    4-byte all-reduces inside a conditional). Returns whether they differ (replicated: the
+    step is then skipped on every replica) and, where the process has the backend the step
+    is lowered for, raises from a host callback. Compiled for another target (deviceless,
+    [`commjax.aot`][]) the callback, which needs that backend here, is left out."""
     tracked = _compat.varying_axes(lax.axis_index(cfg.axes[0]))
     if tracked and all(not (set(cfg.axes) & set(_compat.varying_axes(p) or ())) for p in params):
-        return  # typed replicated under check_vma=True: nothing to test
+        return jnp.asarray(False)  # typed replicated under check_vma=True: nothing to test
+
+    def report(differ):
+        jax.debug.callback(_raise_if_differ, differ)
+        return differ
 
     def test(ps):
         f = _fingerprint(ps)
         differ = lax.pmax(f, cfg.axes) != lax.pmin(f, cfg.axes)
-        jax.debug.callback(_raise_if_differ, differ)
+        present = {d.platform for d in jax.devices()}
+        branches = {p: report for p in ("cpu", "cuda", "rocm", "tpu")
+                    if p in present or (p in ("cuda", "rocm") and "gpu" in present)}
+        return lax.platform_dependent(differ, default=lambda d: d, **branches)
 
-    lax.cond(first, test, lambda ps: None, params)
+    return lax.cond(first, test, lambda ps: jnp.asarray(False), params)
 
 
 # ------------------------------------------------------------------------ the step
@@ -401,12 +411,12 @@ def _update(cfg: _Config, inner, grads, state: ZeroState, params):
                        "axis)), or restore a checkpoint saved by the same transform.")
     _check_inputs(cfg, g_leaves, p_leaves, plan, state, n)
     first = state.count == 0
-    if cfg.check_replicated:
-        _check_replicated(cfg, p_leaves, first)
+    differ = _check_replicated(cfg, p_leaves, first) if cfg.check_replicated else jnp.asarray(False)
     step_key = jax.random.fold_in(state.key, state.count)
     idx = _own_index(cfg)
     floats = [g for g, l in zip(g_leaves, plan) if l.route != PASS]
     ok = _all_finite(floats) if cfg.check_finite else jnp.asarray(True)
+    ok = ok & jnp.logical_not(differ)
     g_shards, flag, residual = _scatter_grads(cfg, plan, g_leaves, state.residual,
                                               jax.random.fold_in(step_key, 0), n, ok)
     bad = flag[0] != 0
