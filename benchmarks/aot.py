@@ -36,6 +36,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import commjax as cj  # noqa: E402
@@ -45,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Bucket size of the in-backward rows: one 2048 x 2048 layer (16 MB) per bucket.
+BUCKET_BYTES = 16 * 2 ** 20
 
 
 def models() -> dict:
@@ -87,14 +90,53 @@ def mlp_train(layers: int = 8, width: int = 2048, batch: int = 64):
     return params, s((batch * 8, width), jnp.float32), loss
 
 
-def measure_train(target: str, names: list) -> list:
-    """The overlap of each method's exchange with the backward pass of :func:`mlp_train`."""
-    params, batch, loss = mlp_train()
+def gpt_train(layers: int = 12, d: int = 768, heads: int = 12, seq: int = 1024, batch: int = 8,
+              vocab: int = 50304):
+    """``(params, tokens, loss)`` of a GPT-2-small-shaped model (``batch`` sequences of
+    ``seq`` tokens per replica, 8 replicas): the backward pass the exchange can hide in."""
+    params = models()["gpt2s"] if (layers, d) == (12, 768) else None
+    s = jax.ShapeDtypeStruct
+
+    def norm(x):
+        return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+    def block(h, p):
+        b, t, _ = h.shape
+        qkv = (norm(h) * p["ln1"]) @ p["qkv"]
+        q, k, v = (a.reshape(b, t, heads, d // heads) for a in jnp.split(qkv, 3, axis=-1))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
+        att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+        h = h + jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, -1), v).reshape(b, t, d) @ p["proj"]
+        return h + jax.nn.gelu((norm(h) * p["ln2"]) @ p["fc"] + p["b_fc"]) @ p["out"]
+
+    def loss(p, tokens):
+        h = p["wte"][tokens[:, :-1]] + p["wpe"][: tokens.shape[1] - 1]
+        for i in range(layers):
+            h = block(h, p[f"h{i}"])
+        logits = (norm(h) * p["ln_f"]) @ p["wte"].T
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return params, s((8 * batch, seq + 1), jnp.int32), loss
+
+
+TRAIN_MODELS = {"mlp8x2048": mlp_train, "gpt2s": gpt_train}
+
+
+def measure_train(target: str, names: list, model: str = "gpt2s") -> list:
+    """The overlap of each method's exchange with the backward pass of a train model."""
+    params, batch, loss = TRAIN_MODELS[model]()
     mesh = aot.target_mesh(target)
     table = dict(methods(), pmean=(optax.chain(_pmean(), optax.sgd(0.1)), "mean"))
+    in_backward = {"int8_in_backward": cj.quantize(8), "int4_in_backward": cj.quantize(4),
+                   "sign_in_backward": cj.sign(), "powersgd_r4_in_backward": cj.powersgd(4)}
     rows = []
     for name in names:
-        rep = aot.analyze(aot.compile_train(loss, table[name][0], params, batch, mesh), target)
+        if name in in_backward:
+            sync = cj.sync_in_backward(in_backward[name], "data", bucket_bytes=BUCKET_BYTES)
+            compiled = aot.compile_train(loss, optax.sgd(0.1), params, batch, mesh, sync=sync)
+        else:
+            compiled = aot.compile_train(loss, table[name][0], params, batch, mesh)
+        rep = aot.analyze(compiled, target)
         rows.append({"method": name, "overlapped_fraction": rep["overlapped_fraction"],
                      "wire": rep["wire"], "async": rep["async"], "traffic": rep["traffic"]})
         print(f"  {name}: {100 * rep['overlapped_fraction']:.0f}% of the exchanged bytes overlapped; "
@@ -187,12 +229,13 @@ def table(rows: list) -> str:
 def main(argv: Any = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="v5e:2x4", choices=sorted(aot.TARGETS))
-    ap.add_argument("--model", default="mlp21m", choices=sorted(models()))
+    ap.add_argument("--model", default="mlp21m", choices=sorted(set(models()) | set(TRAIN_MODELS)),
+                    help="the update step's parameters, or with --train the train model (default gpt2s)")
     ap.add_argument("--methods", default=",".join(methods()))
     ap.add_argument("--dump", default=None, help="also write each compiled HLO into this folder")
     ap.add_argument("--train", action="store_true",
-                    help="the train step of an 8-layer 2048-wide MLP: overlap of the exchange with "
-                         "the backward pass (methods default to pmean,exact,int8,sign)")
+                    help="the train step of a model (--model gpt2s or mlp8x2048): overlap of the "
+                         "exchange with the backward pass")
     args = ap.parse_args(argv)
     if args.train:
         return _main_train(args, argv)
@@ -208,11 +251,13 @@ def main(argv: Any = None) -> int:
 
 
 def _main_train(args: argparse.Namespace, argv: Any) -> int:
-    names = ("pmean,exact,int8,sign" if args.methods == ",".join(methods()) else args.methods).split(",")
-    rows = measure_train(args.target, names)
-    out = RESULTS / f"aot_{args.target.replace(':', '_')}_train_mlp8x2048.json"
+    default = "pmean,exact,int8,int8_in_backward,int4,int4_in_backward,sign,sign_in_backward,powersgd_r4,powersgd_r4_in_backward"
+    names = (default if args.methods == ",".join(methods()) else args.methods).split(",")
+    model = args.model if args.model in TRAIN_MODELS else "gpt2s"
+    rows = measure_train(args.target, names, model)
+    out = RESULTS / f"aot_{args.target.replace(':', '_')}_train_{model}.json"
     write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "target": args.target, "model": "mlp8x2048 train step", "jax": jax.__version__,
+                        "target": args.target, "model": f"{model} train step", "jax": jax.__version__,
                         "rows": rows})
     return 0
 

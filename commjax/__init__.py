@@ -45,6 +45,7 @@ from commjax.plan import communication_plan
 from commjax.collectives import REDUCERS
 from commjax.transform import AxisNotBoundError, CompressedMeanState, compressed_mean
 from commjax.step import DataParallel, TrainState, data_parallel
+from commjax.sync import InBackwardSync, sync_in_backward
 
 __version__ = "0.1.0"
 
@@ -60,5 +61,5 @@ __all__ = [
     "collective_bytes", "CollectiveReport", "ring_bytes",
     "state_specs", "shard_state", "unshard_state", "pmap_state", "per_replica_mask", "vary",
     "init_sharded", "infer_per_replica", "collectives",
-    "data_parallel", "DataParallel", "TrainState", "accumulate",
+    "data_parallel", "DataParallel", "TrainState", "accumulate", "sync_in_backward", "InBackwardSync",
 ]

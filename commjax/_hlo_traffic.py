@@ -13,6 +13,8 @@ memory spaces (TPU VMEM and SMEM: ``S(1)``, ``S(2)``, ...) are on chip and count
 * a fusion operand that the fused computation only slices counts as its slices;
 * an in-place update (``dynamic-update-slice`` or ``scatter``, alone or as a fusion's
   root) moves its updates (read and written) and indices, not the whole buffer;
+* a slice (``slice``, ``dynamic-slice``, and the TPU's asynchronous ``slice-start`` into
+  VMEM) reads its piece, not the array it is cut from;
 * asynchronous pairs count once: a ``*-start`` its operands, a ``*-done`` its result.
 
 Conditional branches are counted apart (``branch_bytes``: the largest branch of each):
@@ -39,6 +41,7 @@ _VIEWS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "par
           "replica-id", "after-all", "add-dependency", "opt-barrier"}
 _FREE_TARGETS = {"AllocateBuffer", "ConcatBitcast", "SliceToDynamic", "Sharding", "SPMDFullToShardShape",
                  "SPMDShardToFullShape", "MoveToHost", "MoveToDevice"}
+_SLICES = {"slice", "dynamic-slice", "slice-start"}
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
@@ -139,6 +142,11 @@ def array_bytes(dtype: str, dims: str, layout: Optional[str]) -> tuple[float, in
     return math.prod(shape) * _BITS.get(dtype, 32) / 8.0, space
 
 
+def hlo_arrays(shape: str) -> list:
+    """``(dtype, dims, layout)`` of every array in an HLO shape text, in order."""
+    return [(d, dims, layout or None) for d, dims, layout in _ARRAY.findall(shape) if d in _BITS]
+
+
 def shape_bytes(shape: str, *, hbm_only: bool = True) -> float:
     """Padded bytes of every array in an HLO shape text (tuples: each element)."""
     total = 0.0
@@ -218,6 +226,11 @@ def instr_bytes(module: Module, ins: Instr, sizes: dict) -> float:
         return 0.0
     if ins.opcode.endswith("-done"):
         return shape_bytes(ins.shape)
+    if ins.opcode in _SLICES:  # reads the slice, not the array it is cut from
+        arrays = hlo_arrays(ins.shape)
+        piece = arrays[1] if ins.opcode == "slice-start" and len(arrays) > 1 else arrays[0]
+        written = 0.0 if ins.opcode == "slice-start" else shape_bytes(ins.shape)
+        return array_bytes(*piece)[0] + written
     reads = [shape_bytes(sizes.get(o, "")) for o in ins.operands]
     if ins.opcode.endswith("-start"):
         return sum(reads)

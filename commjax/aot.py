@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from commjax import _compat, _hlo_traffic as hlo, layout
 from commjax.accounting import parse_hlo_collectives
+from commjax.sync import InBackwardSync
 
 __all__ = ["Target", "TARGETS", "target_mesh", "compile_update", "compile_train", "analyze",
            "abstract"]
@@ -144,16 +145,24 @@ def compile_update(tx: optax.GradientTransformation, params: Any, mesh: Mesh, ax
 
 
 def compile_train(loss: Callable[..., jax.Array], tx: optax.GradientTransformation, params: Any,
-                  batch: Any, mesh: Mesh, axis_name: str = "data"):
+                  batch: Any, mesh: Mesh, axis_name: str = "data", *, sync: Optional[InBackwardSync] = None):
     """The compiled train step ``(params, state, batch) -> (params, state, loss)``:
     ``jax.grad`` of ``loss(params, batch_i)`` on each replica's rows of ``batch`` (shapes of
-    the global batch), then ``tx`` and ``optax.apply_updates``."""
-    state, specs = _state(tx, params, mesh, axis_name)
+    the global batch), then ``tx`` and ``optax.apply_updates``. With ``sync`` the exchange
+    runs in the backward pass ([`commjax.sync_in_backward`][]) and ``tx`` is the optimizer
+    alone."""
+    full = tx if sync is None else optax.chain(sync.as_transform(), tx)
+    state, specs = _state(full, params, mesh, axis_name)
     p, b = abstract(params, mesh, P()), abstract(batch, mesh, P(axis_name))
 
     def local(p, s, batch):
-        value, g = jax.value_and_grad(loss)(_compat.vary(p, axis_name), batch)
-        u, s = tx.update(g, s, p)
+        if sync is None:
+            value, g = jax.value_and_grad(loss)(_compat.vary(p, axis_name), batch)
+            u, s = tx.update(g, s, p)
+        else:
+            (value, g), s0 = sync.value_and_grad(loss)(p, s[0], batch)
+            u, s1 = tx.update(g, s[1], p)
+            s = (s0, s1)
         return optax.apply_updates(p, u), s, value[None]
 
     fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(axis_name)),

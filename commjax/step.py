@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commjax import _compat, layout, validation
 from commjax.accounting import CollectiveReport, collective_bytes
 from commjax.accumulate import accumulate, is_multisteps
+from commjax.sync import InBackwardSync
 
 try:  # Flax is optional: NNX modules are supported when it is installed.
     from flax import nnx
@@ -87,7 +88,13 @@ class DataParallel:
     [`data_parallel`][commjax.step.data_parallel]."""
 
     def __init__(self, loss_fn, tx, mesh, axis_name, has_aux, with_rng, per_replica_params,
-                 donate, check_vma, wrt):
+                 donate, check_vma, wrt, sync=None):
+        # With an in-backward exchange the state is that of chain(sync, tx): its layout,
+        # init and byte count come from there; the step differentiates through the sync
+        # and runs tx alone after it.
+        self._sync = None if sync is None else (sync, tx)
+        if sync is not None:
+            tx = optax.chain(sync.as_transform(), tx)
         self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name
         self.has_aux, self.with_rng = has_aux, with_rng
         self.per_replica_params, self.donate, self.check_vma = per_replica_params, donate, check_vma
@@ -146,6 +153,9 @@ class DataParallel:
                 "optax.chain, or pass per_replica_params=True for optimizers whose replicas "
                 "hold their own parameters (cj.diloco).")
         if self._model_axes and _split(params, self._model_axes):
+            if self._sync is not None:
+                raise ValueError("data_parallel: `sync` with parameters split over "
+                                 f"{sorted(self._model_axes)} is not supported; use compressed_mean in tx.")
             if self.per_replica_params:
                 raise ValueError("data_parallel: per_replica_params=True with parameters split over "
                                  f"{sorted(self._model_axes)} is not supported; place them P().")
@@ -184,6 +194,9 @@ class DataParallel:
         return fn(grads, opt_state, params)
 
     def _init_nnx(self, model: Any, optimizer: Any):
+        if self._sync is not None:
+            raise ValueError("data_parallel: `sync` runs on parameter pytrees; pass "
+                             "nnx.state(model, nnx.Param) and a loss of the parameters.")
         if nnx is None:
             raise ImportError("DataParallel.init: `optimizer=` is for Flax NNX; pip install "
                               "'commjax[flax]'.")
@@ -252,10 +265,23 @@ class DataParallel:
         loss, aux = out if self.has_aux else (out, None)
         return loss, aux, grads
 
+    def _synced(self, params, opt_state, batch, key):
+        """The loss, its aux, and the update with the exchange in the backward pass."""
+        sync, inner = self._sync
+        args = (batch, key) if self.with_rng else (batch,)
+        (out, grads), sync_state = sync.value_and_grad(self.loss_fn, has_aux=self.has_aux)(
+            params, opt_state[0], *args)
+        loss, aux = out if self.has_aux else (out, None)
+        updates, inner_state = inner.update(grads, opt_state[1], params)
+        return loss, aux, updates, (sync_state, inner_state)
+
     def _tree_body(self, state: TrainState, batch, key):
         params = state.params
         if self.per_replica_params:
             params = jax.tree_util.tree_map(lambda a: a[0], params)
+        if self._sync is not None:
+            loss, aux, updates, opt_state = self._synced(params, state.opt_state, batch, key)
+            return optax.apply_updates(params, updates), opt_state, loss, aux
         loss, aux, grads = self._loss_and_grad(params, batch, key)
         updates, opt_state = self._update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -402,7 +428,8 @@ def _is_placed(x: Any) -> bool:
 def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh, *,
                   axis_name: Any = "data", has_aux: bool = False, with_rng: bool = False,
                   per_replica_params: bool = False, donate: bool = True,
-                  check_vma: bool = True, wrt: Any = None) -> DataParallel:
+                  check_vma: bool = True, wrt: Any = None,
+                  sync: Optional[InBackwardSync] = None) -> DataParallel:
     """Build the data-parallel train step of ``loss_fn`` with the optax transform ``tx``.
 
     Args:
@@ -423,6 +450,10 @@ def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
       donate: reuse the state's buffers for the new state (halves peak state memory).
       check_vma: ``shard_map``'s replication check (on by default).
       wrt: the NNX variable filter trained (default ``nnx.Param``).
+      sync: a [`commjax.sync_in_backward`][] exchange run inside the backward pass, bucket
+        by bucket, so that its collectives can hide behind the rest of it; ``tx`` is then
+        the optimizer alone (``optax.adam(...)``: no commjax exchange in it). The state's
+        ``opt_state`` is ``(sync state, tx state)``. Trees of arrays only (not NNX).
 
     Returns:
       A [`DataParallel`][commjax.step.DataParallel]: ``init(params)``, ``step(state, batch)``,
@@ -454,5 +485,11 @@ def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
         validation.check_bool(name, value, factory=factory)
     if wrt is None and nnx is not None:
         wrt = nnx.Param
+    if sync is not None and not isinstance(sync, InBackwardSync):
+        raise TypeError(f"{factory}: `sync` must be cj.sync_in_backward(codec, axis_name), got {sync!r}.")
+    if sync is not None and (per_replica_params or _names(sync.axis_name) != _names(axis_name)):
+        raise ValueError(f"{factory}: `sync` exchanges over {sync.axis_name!r}; it needs "
+                         f"axis_name={sync.axis_name!r} and replicated parameters "
+                         "(per_replica_params=False).")
     return DataParallel(loss_fn, tx, mesh, axis_name, bool(has_aux), bool(with_rng),
-                        bool(per_replica_params), bool(donate), bool(check_vma), wrt)
+                        bool(per_replica_params), bool(donate), bool(check_vma), wrt, sync)
