@@ -37,9 +37,11 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
-    """The short hash of HEAD, ``+dirty`` when the code a benchmark runs has local changes."""
+    """The short hash of HEAD, ``+dirty`` when the code a benchmark runs has local changes
+    (result files written by earlier runs are outputs, not code: they do not count)."""
     head = _git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if _git("status", "--porcelain", "--", "commjax", "benchmarks") else "")
+    changed = _git("status", "--porcelain", "--", "commjax", "benchmarks", ":!benchmarks/results")
+    return head + ("+dirty" if changed else "")
 
 
 def _proc(path: str, key: str) -> Optional[str]:

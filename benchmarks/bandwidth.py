@@ -98,7 +98,8 @@ PRELUDE_STEPS = 3
 
 JAX_METHODS = ("no_exchange", "exact", "bf16", "int8", "int4", "sign", "top_k_1pct",
                "powersgd_r4", "onebit_adam", "diloco", "streaming_diloco", "streaming_diloco_q4",
-               "zero_exact", "zero_int8", "zero_qwd4", "zero_qwd4_had")
+               "zero_exact", "zero_int8", "zero_qwd4", "zero_qwd4_had", "int8_in_backward",
+               "sign_in_backward")
 #: Sharded data parallel (cj.zero: reduce-scatter + all-gather) rows, timed against
 #: exact fp32 ZeRO ("zero_exact") rather than against the exact mean.
 ZERO_BASE = "zero_exact"
@@ -224,6 +225,9 @@ class JaxMethod:
     # False only for the no-exchange floor: replicas' parameters and state then differ,
     # and the step is timed as if they did not (nothing is sent to make them agree).
     check_vma: bool = True
+    # (cj.sync_in_backward, the optimizer): the exchange runs in the backward pass; ``tx``
+    # is then chain(sync.as_transform(), optimizer), for the state and the byte count.
+    sync: Any = None
 
 
 def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
@@ -241,6 +245,12 @@ def jax_method(name: str, params: Any, n: int, steps: int = 5) -> JaxMethod:
         return JaxMethod(optax.chain(cj.compressed_mean(comp, AXIS), sgd), plan.bytes_per_step,
                          note=note or f"{plan.routing.reducer} reducer")
 
+    if name.endswith("_in_backward"):
+        codec = {"int8": cj.quantize(bits=8), "sign": cj.sign()}[name[:-len("_in_backward")]]
+        sync = cj.sync_in_backward(codec, AXIS)
+        plan = cj.communication_plan(codec, params, n)
+        return JaxMethod(optax.chain(sync.as_transform(), sgd), plan.bytes_per_step, sync=(sync, sgd),
+                         note="exchanged in the backward pass (cj.sync_in_backward, 25 MB buckets)")
     if name == FLOOR:
         return JaxMethod(sgd, 0.0, check_vma=False,
                          note="floor: no exchange, each replica applies its own gradient")
@@ -385,13 +395,17 @@ def jax_worker(args: argparse.Namespace) -> None:
         lambda p, xb, yb: mean_loss(jax.tree_util.tree_map(lambda a: a[0], p), xb, yb),
         mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
 
-    def build(tx, state, per_replica_params, check_vma=True):
+    def build(tx, state, per_replica_params, check_vma=True, sync=None):
         specs = cj.state_specs(state, AXIS)
         pspec = P(AXIS) if per_replica_params else P()
 
         def local(p, s, xb, yb):
             if per_replica_params:  # [1, ...] local rows: this replica's own parameters
                 p = jax.tree_util.tree_map(lambda a: a[0], p)
+            if sync is not None:  # the exchange inside the backward pass
+                (_, g), s0 = sync[0].value_and_grad(loss_fn)(p, s[0], xb, yb)
+                u, s1 = sync[1].update(g, s[1], p)
+                return optax.apply_updates(p, u), (s0, s1)
             g = jax.grad(loss_fn)(cj.vary(p, AXIS), xb, yb)
             u, s = tx.update(g, s, p)
             p = optax.apply_updates(p, u)
@@ -426,7 +440,7 @@ def jax_worker(args: argparse.Namespace) -> None:
         params = place_params(m.per_replica_params)
         state = cj.shard_state(m.tx.init(host_params), mesh, AXIS)
         t0 = time.perf_counter()
-        step_fn = build(m.tx, state, m.per_replica_params, m.check_vma).lower(
+        step_fn = build(m.tx, state, m.per_replica_params, m.check_vma, m.sync).lower(
             params, state, x, y).compile()
         compile_s = time.perf_counter() - t0
         hlo = cj.collective_bytes(step_fn)

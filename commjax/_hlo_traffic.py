@@ -104,7 +104,7 @@ def _instr(line: str) -> Optional[Instr]:
 
 
 def parse(text: str) -> Module:
-    """The computations of an HLO module's text, each a list of :class:`Instr`."""
+    """The computations of an HLO module's text, each a list of ``Instr``."""
     comps: dict = {}
     entry, current = "", None
     for line in text.splitlines():
@@ -250,7 +250,7 @@ def _fused(ins: Instr) -> Optional[str]:
 
 
 def traffic(module: Module, comp: Optional[str] = None) -> Traffic:
-    """:class:`Traffic` of computation ``comp`` (the entry by default), with the
+    """``Traffic`` of computation ``comp`` (the entry by default), with the
     computations its ``while`` loops and ``call``\ s run added to ``straight``."""
     comp = comp or module.entry
     sizes = module.shapes(comp)

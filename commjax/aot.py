@@ -9,12 +9,12 @@ run: its HLO with the target's layouts, tiles and schedule, its memory plan
 such a target and reads, per step and device:
 
 * ``traffic``: HBM bytes of every top-level operation, layout padding counted
-  (:mod:`commjax._hlo_traffic`); ``branch_bytes`` apart (conditionals: some steps only);
+  (``commjax._hlo_traffic``); ``branch_bytes`` apart (conditionals: some steps only);
 * ``ideal``: the one-pass ideal, every input read once, every output written once, and
   each collective's send buffer written once and its receive buffer read once (a
   perfectly fused encode, exchange, decode and optimizer);
 * ``temp``: scratch (``temp_size_in_bytes``), beside the arguments and outputs;
-* ``wire``: each collective's ring bytes (:func:`commjax.collective_bytes`'s count);
+* ``wire``: each collective's ring bytes ([`commjax.collective_bytes`][]'s count);
 * ``kernels``: the custom calls that are kernels (Mosaic TPU, Mosaic GPU, Triton);
 * ``overlap``: for each asynchronous collective, the compute the schedule puts between its
   start and its done, as time on the target (bytes / HBM bandwidth, or flops / peak for
@@ -22,7 +22,7 @@ such a target and reads, per step and device:
 * ``projected``: an alpha-beta step time, ``traffic / HBM bandwidth`` plus the transfer
   time of what the schedule does not hide, on the fast link (ICI, NVLink) and the slow
   one (DCN, InfiniBand). The link figures are the vendors' published per-chip numbers
-  (:data:`TARGETS`); the model ignores contention and latency beyond ``alpha``.
+  (``TARGETS``); the model ignores contention and latency beyond ``alpha``.
 
 Use::
 
@@ -115,7 +115,7 @@ def abstract(tree: Any, mesh: Mesh, specs: Any) -> Any:
 
 def _state(tx, params, mesh, axis_name, per_replica_params=False):
     """The abstract state of ``tx`` for one replica's ``params``, laid out as
-    :func:`commjax.init_sharded` lays it out, and its specs."""
+    [`commjax.init_sharded`][] lays it out, and its specs."""
     specs, pspecs = layout.state_layout(tx, params, mesh, axis_name, per_replica_params=per_replica_params)
     init = _compat.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=specs, check_vma=False)
     return abstract(jax.eval_shape(init, params), mesh, specs), specs

@@ -113,9 +113,9 @@ _EXTRAS = importlib.util.find_spec("libtpu") is not None and importlib.util.find
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
-@pytest.mark.parametrize("target", ["v5e:2x4", "h100x8"])
+@pytest.mark.parametrize("target", ["v5e:2x4", "v5p:2x2x2", "h100x8"])
 def test_deviceless_compile_for_accelerators(target):
-    """A small compressed step compiles for a TPU topology and an H100 from this machine,
+    """A small compressed step compiles for TPU v5e and v5p topologies and an H100 from here,
     with the Pallas TPU kernel in the TPU program."""
     mesh = aot.target_mesh(target)
     params = {"w": jax.ShapeDtypeStruct((512, 1024), jnp.float32)}
