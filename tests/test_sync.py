@@ -65,12 +65,13 @@ def _steps(sync, mesh, check_vma, steps=3, after=False):
     return outs, state
 
 
-@pytest.mark.parametrize("check_vma", [False, True])
-@pytest.mark.parametrize("codec", [cj.quantize(8), cj.sign(), cj.powersgd(2)], ids=["q8", "sign", "powersgd"])
+@pytest.mark.parametrize("codec,check_vma", [(cj.quantize(8), False), (cj.quantize(8), True),
+                                             (cj.sign(), True), (cj.powersgd(2), True)],
+                         ids=["q8-novma", "q8", "sign", "powersgd"])
 def test_one_bucket_is_compressed_mean_after_backward(mesh, codec, check_vma):
     sync = cj.sync_in_backward(codec, AX, bucket_bytes=1 << 30)
-    got, s1 = _steps(sync, mesh, check_vma)
-    want, s2 = _steps(sync, mesh, check_vma, after=True)
+    got, s1 = _steps(sync, mesh, check_vma, steps=2)
+    want, s2 = _steps(sync, mesh, check_vma, steps=2, after=True)
     for a, b in zip(got, want):
         for k in a:
             out = np.asarray(a[k])
