@@ -138,7 +138,9 @@ def measure_train(target: str, names: list, model: str = "gpt2s") -> list:
             compiled = aot.compile_train(loss, table[name][0], params, batch, mesh)
         rep = aot.analyze(compiled, target)
         rows.append({"method": name, "overlapped_fraction": rep["overlapped_fraction"],
-                     "wire": rep["wire"], "async": rep["async"], "traffic": rep["traffic"]})
+                     "wire": rep["wire"], "async": rep["async"], "traffic": rep["traffic"],
+                     "temp": rep["temp"], "async_collectives": len(rep["async"]),
+                     "matmuls_between": sum(a["matmuls"] for a in rep["async"])})
         print(f"  {name}: {100 * rep['overlapped_fraction']:.0f}% of the exchanged bytes overlapped; "
               + ", ".join(f"{r['matmuls']}" for r in rep["async"]) + " matmuls between start and done", flush=True)
     return rows
