@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commjax import _compat, aot
+from commjax import _compat, aot, launch
 from commjax.compressors import cast, identity, powersgd, quantize, sign, top_k
 from commjax.step import data_parallel
 from commjax.transform import compressed_mean
@@ -209,6 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The device count is fixed when JAX starts its CPU backend: start again with it.
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(),
                    JAX_PLATFORMS="cpu")
+        launch.set_cpu_threads(env, args.devices)
         os.execve(sys.executable, [sys.executable, "-m", "commjax.bench", *argv], env)
     if args.distributed:
         jax.distributed.initialize()

@@ -144,6 +144,9 @@ def use_cpu_devices(n: Optional[int]) -> None:
     flags.append(f"--xla_force_host_platform_device_count={n}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # Twice the devices in CPU-client threads, else a collective can wait forever for a
+    # device without a thread (commjax.launch.set_cpu_threads; JAX must not start first).
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * n)))
 
 
 def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

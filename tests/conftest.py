@@ -9,6 +9,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + compile_flags()
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Twice the devices in threads of XLA's CPU client (inherited by the processes the tests
+# start): with one thread per device a collective can wait forever for a device whose
+# thread is busy elsewhere (commjax.launch.set_cpu_threads says why).
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 16)))
 # LLVM's expensive passes off as well (JAX's switch for it; inherited by the processes
 # the tests start): 10% off the contract matrix, and again no change to the HLO.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
@@ -43,7 +47,8 @@ SLOW_FIRST = (
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "exact_codegen: compares the bits of two different compiled programs; runs "
+        "markers", "exact_codegen: compares the bits of two different compiled programs, or bits "
+        "XLA's older CPU emitters do not keep; runs "
         "only with XLA's default code generation (deselected under COMMJAX_TEST_CODEGEN=fast, "
         "see tests/xla_flags.py)")
 

@@ -225,6 +225,10 @@ def test_child_env():
     assert env["XLA_FLAGS"] == "--foo=1"
     assert env["JAX_PLATFORMS"] == "cpu" and env["X"] == "1" and env["PATH"] == "/bin"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    # Twice the local devices in CPU-client threads, and a value the caller set is kept.
+    assert int(env[cl.CPU_THREADS_ENV]) >= 6
+    kept = cl.child_env(0, 2, 4, "127.0.0.1:1", base={cl.CPU_THREADS_ENV: "40"})
+    assert kept[cl.CPU_THREADS_ENV] == "40"
 
 
 def test_config_from_env():

@@ -163,6 +163,11 @@ def _gathered_bits(mesh, codec, x) -> np.ndarray:
     return bits[0]
 
 
+# Default code generation only: compiled with XLA's older CPU emitters (make test's fast
+# run) the gather returns the 252 bfloat16 NaNs with payloads as 0x7FC0 / 0xFFC0, though
+# every operation on them in the optimised HLO is an integer one; the emitters users get
+# keep them.
+@pytest.mark.exact_codegen
 @pytest.mark.parametrize("dtype,codec", [("bfloat16", CODEC), ("bfloat16", cj.lossless(jnp.float32)),
                                          ("float16", cj.lossless(jnp.float32))],
                          ids=["bf16-lossless", "bf16-lossless_f32", "f16-lossless_f32"])

@@ -3,6 +3,11 @@ compressed_mean and cj.zero on a ("data", "model") mesh whose weights are split 
 "model" (manual over "data" only, or over every axis): the same compressed bytes on the
 data axis as on a 1-D mesh, the model shardings kept."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +133,15 @@ def test_a_leaf_varying_over_an_unknown_axis_is_refused(meshes):
         cj.init_sharded(tx, _params(), mesh2, "data")  # unplaced: "model" is not a model axis
     with pytest.raises(ValueError, match="split over \\['data'\\]"):
         cj.init_sharded(tx, jax.device_put(_params(), NamedSharding(mesh2, P("data"))), mesh2, "data")
+
+
+@pytest.mark.slow
+def test_a_long_run_on_the_data_x_model_mesh_does_not_hang():
+    """200 steps of cj.data_parallel on data x model in a fresh process, with the tests'
+    environment (PJRT_NPROC: twice the devices in CPU-client threads): with one client
+    thread per device this run stalled in a collective, waiting for a device without a
+    thread, within 50 steps (2 of 2 runs on a 2-core VM), until XLA aborted it."""
+    script = Path(__file__).resolve().parent / "mp_scripts" / "mesh_long_run.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "200"], env=dict(os.environ),
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0 and "done 200" in proc.stdout, proc.stderr[-3000:]

@@ -12,7 +12,8 @@ Two code generations, chosen by ``$COMMJAX_TEST_CODEGEN``:
   program and not in another, so two *different* programs that give the same bits with
   the default emitters may differ in the last bit. ``make test`` runs every test with
   ``fast`` except those marked ``exact_codegen`` (bits compared between two different
-  programs), which it then runs with ``default``.
+  programs, or NaN payloads the older emitters do not keep), which it then runs with
+  ``default``.
 
 Both add a long termination timeout for the CPU collectives' rendezvous (on the jaxlib
 releases known to have the flag). XLA aborts the whole process, with one log line, when
