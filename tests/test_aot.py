@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import commjax as cj
+from commjax import _compat, aot
 from commjax import _hlo_traffic as hlo
-from commjax import aot
 
 _TEXT = """HloModule jit_step, is_scheduled=true
 
@@ -124,3 +125,69 @@ def test_deviceless_compile_for_accelerators(target):
     rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
     assert rep["traffic"] > 0 and rep["wire"] > 0
     assert ("tpu_custom_call" in rep["kernels"]) == target.startswith("v")
+
+
+def _every_transform() -> dict:
+    """name -> (transform, per_replica_params): every public transform that communicates."""
+    q4 = cj.quantize(4)
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    mean = lambda c: optax.chain(cj.compressed_mean(c, "data"), optax.sgd(0.1))  # noqa: E731
+    return {
+        "dgc": (cj.dgc(0.1), False),
+        "onebit_adam": (cj.onebit_adam(1e-3, warmup_steps=10), False),
+        "onebit_lamb": (cj.onebit_lamb(1e-3, warmup_steps=10), False),
+        "diloco": (cj.diloco(optax.adam(1e-3), outer, sync_every=10, compressor=q4), True),
+        "streaming_diloco": (cj.streaming_diloco(optax.adam(1e-3), outer, sync_every=10, fragments=2,
+                                                 compressor=q4), True),
+        "decoupled_momentum": (cj.decoupled_momentum(1e-3), True),
+        "choco": (cj.choco(optax.sgd(0.1), codec=q4), True),
+        "zero": (cj.zero(optax.adam(1e-3), grad_codec=q4, weight_codec=q4), False),
+        **{name: (mean(codec), False) for name, codec in {
+            "qsgd": cj.qsgd(), "terngrad": cj.terngrad(), "hadamard": cj.hadamard(q4),
+            "lossless": cj.lossless(), "random_k": cj.random_k(0.01), "top_k": cj.top_k(0.01),
+            "threshold": cj.threshold(1e-3, 4096), "fp8": cj.fp8(), "powersgd": cj.powersgd(4)}.items()},
+    }
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("target", ["v5e:2x4", "h100x8"])
+def test_every_communicating_transform_compiles_deviceless(target):
+    """Each optimizer and codec that exchanges compiles for a TPU v5e and an H100 from here,
+    and its program sends something."""
+    mesh = aot.target_mesh(target)
+    params = {"w1": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((1024, 256), jnp.float32), "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+    failed = {}
+    for name, (tx, per_replica) in _every_transform().items():
+        try:
+            rep = aot.analyze(aot.compile_update(tx, params, mesh, per_replica_params=per_replica), target)
+            assert rep["wire"] > 0, "no collective"
+        except Exception as e:  # noqa: BLE001 - collected, reported together
+            failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    assert not failed, failed
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("target", ["v5e:2x4", "h100x8"])
+def test_fsdp_gather_compiles_deviceless(target):
+    """The FSDP gradient of a loss over int8-gathered weights (int4 reduce-scatter of the
+    gradient) compiles for a TPU v5e and an H100, an all-gather and a reduce in its HLO."""
+    mesh = aot.target_mesh(target)
+    sds = jax.ShapeDtypeStruct
+    like = {"w": sds((1024, 1024), jnp.float32), "v": sds((1024, 256), jnp.float32)}
+    shards = jax.eval_shape(lambda p: cj.fsdp_shard(p, mesh.shape["data"]), like)
+    specs = cj.fsdp_specs(shards, "data")
+
+    def grad(sh, x):
+        def loss(sh):
+            p = cj.fsdp_gather(sh, "data", cj.quantize(8, stochastic=False),
+                               grad_codec=cj.quantize(4, stochastic=False), like=like)
+            return jnp.mean(jnp.tanh(x @ p["w"]) @ p["v"])
+        return jax.grad(loss)(sh)
+
+    fn = jax.jit(_compat.shard_map(grad, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs,
+                                   check_vma=False))
+    compiled = fn.lower(aot.abstract(shards, mesh, specs),
+                        aot.abstract(sds((8 * 64, 1024), jnp.float32), mesh, P("data"))).compile()
+    text = compiled.as_text()
+    assert "all-gather" in text and ("all-to-all" in text or "reduce-scatter" in text or "all-reduce" in text)

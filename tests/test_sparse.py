@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from commjax import _compat
 from commjax.compressors.base import Compressor, Segment
 from commjax.compressors.exact import identity
-from commjax.compressors.sparse import (TWO_STAGE_MIN_WORK, exact_top_k, random_k, threshold, top_k,
-                                        two_stage_top_k)
+from commjax.compressors.sparse import (TWO_STAGE_MIN_WORK, exact_top_k, random_k, sorted_top_k, threshold,
+                                        top_k, two_stage_top_k)
 from commjax.layout import shard_state, state_specs
 from commjax.plan import communication_plan
 from commjax.testing import flat_residual, noniid_classification, train
@@ -478,3 +478,23 @@ def test_two_stage_top_k_is_lax_top_k(kind):
     # exact_top_k takes one lax.top_k at this size (3001 * 300001 < TWO_STAGE_MIN_WORK).
     assert 3001 * v.shape[1] < TWO_STAGE_MIN_WORK
     np.testing.assert_array_equal(np.asarray(jax.jit(exact_top_k, static_argnums=1)(jnp.asarray(v), 3001)), want)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan"])
+def test_sorted_top_k_is_lax_top_k(kind):
+    """The selection a TPU compiles (a stable sort) returns lax.top_k's positions in its
+    order: among ties the lower position first, NaN above every number, zeros last."""
+    rng = np.random.default_rng(4)
+    v = np.abs(rng.standard_normal((3, 262_144))).astype(np.float32)
+    if kind == "ties":
+        v = np.round(v * 2)
+    if kind == "nan":
+        v[:, ::997] = np.nan
+        v[:, 3::1999] = -np.nan
+        v[:, 1::5] = 0.0
+        v[:, 2::7] = -0.0
+        v[:, 4::11] = np.inf
+    for k in (1, 2621, 4096):
+        want = np.asarray(jax.lax.top_k(jnp.asarray(v), k)[1])
+        got = np.asarray(jax.jit(sorted_top_k, static_argnums=1)(jnp.asarray(v), k))
+        np.testing.assert_array_equal(got, want)
