@@ -251,7 +251,7 @@ def _fused(ins: Instr) -> Optional[str]:
 
 def traffic(module: Module, comp: Optional[str] = None) -> Traffic:
     """``Traffic`` of computation ``comp`` (the entry by default), with the
-    computations its ``while`` loops and ``call``\ s run added to ``straight``."""
+    computations its ``while`` loops and ``call`` instructions run added to ``straight``."""
     comp = comp or module.entry
     sizes = module.shapes(comp)
     straight = branches = 0.0
