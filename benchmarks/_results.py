@@ -77,7 +77,7 @@ def provenance(command: Optional[str] = None) -> dict[str, Any]:
     if command is None:
         script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
         command = " ".join(["python", script, *sys.argv[1:]])
-    return {"command": command, "commit": commit(),
+    return {"command": command.strip(), "commit": commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine()}
 
