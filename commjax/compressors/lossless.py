@@ -142,22 +142,25 @@ class RawBf16(BlockCompressor):
     [`bf16_value`][commjax.compressors.lossless.bf16_value] so that NaN
     payloads survive as they do in the lossless code."""
 
+    block_size: int = 256
     name: ClassVar[str] = "raw_bf16"
 
     @property
     def block(self) -> int:
-        return 2
+        return self.block_size
 
     @property
     def row_words(self) -> int:
-        return 1
+        return self.block_size // 2
 
     def encode_blocks(self, blocks, key, start=0):
+        # Word w of a block holds values w and w + block/2: halves of the block, not
+        # adjacent pairs, whose [n, 2] view a TPU pads to 128 lanes (64x its bytes).
         h = bf16_bits(blocks)
-        return (h[:, 0] | h[:, 1] << 16)[:, None]
+        return h[:, :self.row_words] | h[:, self.row_words:] << 16
 
     def decode_blocks(self, rows):
-        return bf16_value(jnp.stack([rows[:, 0] & 0xFFFF, rows[:, 0] >> 16], axis=1))
+        return bf16_value(jnp.concatenate([rows & 0xFFFF, rows >> 16], axis=1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +200,7 @@ class Lossless(BlockCompressor):
         """What travels when some payload overflows its escapes: the same values raw,
         [`RawBf16`][commjax.compressors.lossless.RawBf16] (the bytes of ``cast(bf16)``) or fp32
         words (``identity()``)."""
-        return Identity() if self.lossless else RawBf16()
+        return Identity() if self.lossless else RawBf16(self.block_size)
 
     def encode_blocks(self, blocks, key, start=0):
         if not self.lossless:
@@ -207,7 +210,8 @@ class Lossless(BlockCompressor):
         coded = lossless_encode(bits >> 16, delta_bits=self.delta_bits, escapes=self.escapes,
                                 impl=self.kernels)
         low = bits & 0xFFFF
-        return jnp.concatenate([coded, low[:, 0::2] | low[:, 1::2] << 16], axis=1)
+        half = self.block_size // 2  # word w: low halves of values w and w + half
+        return jnp.concatenate([coded, low[:, :half] | low[:, half:] << 16], axis=1)
 
     def decode_blocks(self, rows):
         high = lossless_decode(rows[:, :self._coded_words], block_size=self.block_size,
@@ -215,7 +219,7 @@ class Lossless(BlockCompressor):
         if not self.lossless:
             return bf16_value(high)
         low = rows[:, self._coded_words:]
-        low = jnp.stack([low & 0xFFFF, low >> 16], axis=2).reshape(rows.shape[0], -1)
+        low = jnp.concatenate([low & 0xFFFF, low >> 16], axis=1)
         return lax.bitcast_convert_type(high << 16 | low, jnp.float32)
 
     def _values(self, x: jax.Array) -> jax.Array:
