@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -168,7 +168,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 CPU_THREADS_ENV = "PJRT_NPROC"
 
 
-def set_cpu_threads(env: dict[str, str] | os._Environ, devices: int) -> None:
+def set_cpu_threads(env: MutableMapping[str, str], devices: int) -> None:
     """Give XLA's CPU client at least ``2 * devices`` threads (``PJRT_NPROC``, unless set).
 
     With CPU devices the client runs each device's part of a program on a pool of

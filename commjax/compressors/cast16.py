@@ -11,6 +11,7 @@ from jax import lax
 
 from commjax.compressors.base import BlockCompressor
 from commjax.compressors.lossless import Lossless, lossless
+from commjax.packing import pack_codes, unpack_codes
 from commjax.validation import check_dtype
 
 __all__ = ["Cast", "cast"]
@@ -63,12 +64,11 @@ class Cast(BlockCompressor):
         """Word ``w`` of a block holds value ``w`` in its low half and ``w + B / 2`` in its
         high half: two lane-aligned slices at the default ``B = 256`` (pairs of adjacent values would need a
         ``[n / 2, 2]`` view, which a TPU pads to 128 lanes: 64x its bytes)."""
-        half = lax.bitcast_convert_type(self._round(blocks), jnp.uint16).astype(jnp.uint32)
-        w = self.block_size // 2
-        return half[:, :w] | (half[:, w:] << 16)
+        half = lax.bitcast_convert_type(self._round(blocks), jnp.uint16)
+        return pack_codes(half, 16)
 
     def decode_blocks(self, rows):
-        half = jnp.concatenate([rows & 0xFFFF, rows >> 16], axis=1).astype(jnp.uint16)
+        half = unpack_codes(rows, 16, self.block_size).astype(jnp.uint16)
         return lax.bitcast_convert_type(half, self.dtype).astype(jnp.float32)
 
     def encode_linear(self, x, key):

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import kernels as _kernels
+from commjax.packing import pack_codes, unpack_codes
 from commjax.compressors.base import BlockCompressor, Compressor, check_positive_int
 from commjax.compressors.exact import Identity
 from commjax.kernels.lossless import header_column, lossless_decode, lossless_encode, lossless_words
@@ -154,13 +155,12 @@ class RawBf16(BlockCompressor):
         return self.block_size // 2
 
     def encode_blocks(self, blocks, key, start=0):
-        # Word w of a block holds values w and w + block/2: halves of the block, not
+        # Word w of a block holds values w and w + block/2 (packing's lane slices): not
         # adjacent pairs, whose [n, 2] view a TPU pads to 128 lanes (64x its bytes).
-        h = bf16_bits(blocks)
-        return h[:, :self.row_words] | h[:, self.row_words:] << 16
+        return pack_codes(bf16_bits(blocks), 16)
 
     def decode_blocks(self, rows):
-        return bf16_value(jnp.concatenate([rows & 0xFFFF, rows >> 16], axis=1))
+        return bf16_value(unpack_codes(rows, 16, self.block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,17 +209,15 @@ class Lossless(BlockCompressor):
         bits = lax.bitcast_convert_type(blocks.astype(jnp.float32), jnp.uint32)
         coded = lossless_encode(bits >> 16, delta_bits=self.delta_bits, escapes=self.escapes,
                                 impl=self.kernels)
-        low = bits & 0xFFFF
-        half = self.block_size // 2  # word w: low halves of values w and w + half
-        return jnp.concatenate([coded, low[:, :half] | low[:, half:] << 16], axis=1)
+        # Word w: the low halves of values w and w + block/2 (packing's lane slices).
+        return jnp.concatenate([coded, pack_codes(bits & 0xFFFF, 16)], axis=1)
 
     def decode_blocks(self, rows):
         high = lossless_decode(rows[:, :self._coded_words], block_size=self.block_size,
                                delta_bits=self.delta_bits, escapes=self.escapes)
         if not self.lossless:
             return bf16_value(high)
-        low = rows[:, self._coded_words:]
-        low = jnp.concatenate([low & 0xFFFF, low >> 16], axis=1)
+        low = unpack_codes(rows[:, self._coded_words:], 16, self.block_size)
         return lax.bitcast_convert_type(high << 16 | low, jnp.float32)
 
     def _values(self, x: jax.Array) -> jax.Array:
