@@ -191,3 +191,17 @@ def as_uint_words(x: jax.Array) -> jax.Array:
     if jnp.dtype(x.dtype) == jnp.dtype(target):
         return x
     return lax.bitcast_convert_type(x, target)
+
+
+def first_uses(fun: Callable[..., Any], *args: Any) -> list[int]:
+    """For each leaf of ``args`` (flattened in order), the index of the first equation of
+    ``fun``'s traced program that reads it (the number of equations if none does)."""
+    from jax.extend.core import Var  # the jaxpr types' public home in 0.10 and later
+
+    jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+    first: dict = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                first.setdefault(v, k)
+    return [first.get(v, len(jaxpr.eqns)) for v in jaxpr.invars]

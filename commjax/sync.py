@@ -19,6 +19,14 @@ the same codec, reducer, error feedback, NaN flags and replica guarantees, one
 ``compressed_mean`` state ``s_b`` per bucket. Bytes per step: the sum over buckets of each
 bucket's [`commjax.communication_plan`][] (one set of collectives per bucket).
 
+Order: ``value_and_grad`` reads, from the traced loss, the order in which the backward pass
+completes the buckets' gradients ([`exchange_order`][commjax.sync.InBackwardSync.exchange_order])
+and makes each bucket's exchange wait for the mean of the bucket before it (a data
+dependence; the values are unchanged). Without it XLA merges the buckets' all-gathers into
+one collective that can only start after the last bucket, with no backward pass left to
+hide it behind (on H100 x8, GPT-2 small, sign: 51% of the exchanged bytes overlapped
+instead of 99%).
+
 Functional state: each bucket's state enters the loss as a differentiable *carrier* (its
 float leaves as they are, its integer leaves as exact float32 16-bit halves) and the new
 state comes back as the carrier's cotangent; nothing is hidden, so the state is a pytree of
@@ -35,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,26 +125,59 @@ def _like_typed(new: jax.Array, old: jax.Array, axis_name: Any) -> jax.Array:
     return jax.lax.pmax(new, extra) if extra else new
 
 
+def _mark(token: jax.Array, values: Sequence[jax.Array]) -> jax.Array:
+    """``token`` plus a finite number that depends on (one element of each of) ``values``:
+    a data dependence XLA cannot fold away, whatever the values (NaN included)."""
+    for v in values:
+        word = jax.lax.bitcast_convert_type(jnp.ravel(v)[:1].astype(jnp.float32), jnp.uint32)
+        token = token + jnp.sum(word == jnp.uint32(0x7FC00001)).astype(token.dtype)
+    return token
+
+
+def _after(x: jax.Array, token: jax.Array) -> jax.Array:
+    """``x``, bit for bit (``v - 0 == v`` for every float, signed zeros and NaN included),
+    computed after the finite ``token``."""
+    return x - jnp.zeros((), x.dtype) * token.astype(x.dtype)
+
+
+def _typed_like(values: Sequence[jax.Array], like: jax.Array) -> list:
+    """The ``values`` whose varying axes are among ``like``'s (all, without type checks)."""
+    axes = _compat.varying_axes(like)
+    if axes is None:
+        return list(values)
+    return [v for v in values if (_compat.varying_axes(v) or frozenset()) <= axes]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attached(spec: _Bucket, leaves: tuple, carrier: tuple, pending: tuple) -> tuple:
+def _attached(spec: _Bucket, leaves: tuple, carrier: tuple, pending: tuple, token: jax.Array) -> tuple:
     # Varying for the loss (each replica its own gradient); the cotangent of replicated
     # parameters is the replicated mean this VJP returns, so JAX adds no psum of its own.
-    return tuple(_compat.vary(x, spec.axis_name) for x in leaves)
+    return tuple(_compat.vary(x, spec.axis_name) for x in leaves), token
 
 
-def _attached_fwd(spec: _Bucket, leaves: tuple, carrier: tuple, pending: tuple):
-    return _attached(spec, leaves, carrier, pending), (leaves, carrier, pending)
+def _attached_fwd(spec: _Bucket, leaves: tuple, carrier: tuple, pending: tuple, token: jax.Array):
+    return _attached(spec, leaves, carrier, pending, token), (leaves, carrier, pending)
 
 
-def _attached_bwd(spec: _Bucket, res, ct: tuple):
+def _attached_bwd(spec: _Bucket, res, cts: tuple):
     leaves, carrier, pending = res
-    ct = [c + p.astype(c.dtype) for c, p in zip(ct, pending)] if pending else list(ct)
+    ct, ct_token = cts
+    # The token's cotangent is ready once the bucket exchanged before this one has its
+    # mean: this bucket's gradient depends on it, so XLA keeps the buckets' collectives
+    # apart (it would otherwise merge them into one, issued after the last bucket's
+    # gradient, with nothing left to hide it). A data dependence, because XLA drops
+    # optimization barriers before it combines collectives.
+    ct = list(ct)
+    if ct:
+        ct[0] = _after(ct[0], ct_token)
+    ct = [c + p.astype(c.dtype) for c, p in zip(ct, pending)] if pending else ct
     mean, new = spec.tx.update(ct, spec.state(carrier))
     mean = tuple(_compat.vary(m, spec.axis_name) if _compat.varying_axes(p) else m
                  for m, p in zip(mean, leaves))
+    ct_token = _mark(ct_token, _typed_like(mean, ct_token))
     out = spec.carrier(new)
     return (mean, tuple(_like_typed(n, o, spec.axis_name) for n, o in zip(out, carrier)),
-            tuple(jnp.zeros_like(p) for p in pending))
+            tuple(jnp.zeros_like(p) for p in pending), ct_token)
 
 
 _attached.defvjp(_attached_fwd, _attached_bwd)
@@ -179,13 +220,20 @@ class InBackwardSync:
         """The state as the differentiable inputs of [`attach`][commjax.sync.InBackwardSync.attach]."""
         return tuple(spec.carrier(s) for spec, s in zip(self._specs(state), state))
 
-    def attach(self, params: Any, carrier: tuple, state: tuple, *, pending: Any = None) -> Any:
+    def attach(self, params: Any, carrier: tuple, state: tuple, *, pending: Any = None,
+               order: Optional[Sequence[int]] = None) -> Any:
         """``params``, unchanged (marked varying over the axis); differentiated, each
         bucket's gradient comes back as its compressed mean (replicated, for replicated
         ``params``: no ``cj.vary`` needed), and the gradient with respect to ``carrier`` as
         the new state (read it with [`restore`][commjax.sync.InBackwardSync.restore]).
         ``pending``: gradients accumulated over earlier micro-steps (a tree like
-        ``params``), added to this one's before the exchange."""
+        ``params``), added to this one's before the exchange.
+
+        ``order``: the bucket indices in the order the backward pass completes their
+        gradients ([`exchange_order`][commjax.sync.InBackwardSync.exchange_order]). Each
+        bucket's exchange then starts once the one before it has its mean, so XLA keeps
+        their collectives apart, each beside the backward pass still to run. ``None``: no
+        order between buckets (XLA may merge their collectives)."""
         leaves, treedef = jax.tree_util.tree_flatten(params)
         extra = None if pending is None else jax.tree_util.tree_leaves(pending)
         buckets = self.buckets(params)
@@ -193,12 +241,36 @@ class InBackwardSync:
             raise ValueError(f"sync_in_backward: the state has {len(state)} buckets and these "
                              f"parameters make {len(buckets)}: make it with sync.init(params) for "
                              "the same parameters and bucket_bytes.")
-        out = list(leaves)
-        for spec, b, c in zip(self._specs(state), buckets, carrier):
+        chained = order is not None
+        order = list(range(len(buckets))) if order is None else [int(b) for b in order]
+        if sorted(order) != list(range(len(buckets))):
+            raise ValueError(f"sync_in_backward: `order` must list each of the {len(buckets)} "
+                             f"bucket indices once; got {order}.")
+        specs, out = self._specs(state), list(leaves)
+        token = jnp.zeros((), jnp.float32)
+        for k in reversed(order):  # the forward pass attaches in reverse: the VJPs run in order
+            b = buckets[k]
             more = () if extra is None else tuple(jax.lax.stop_gradient(extra[i]) for i in b)
-            for i, v in zip(b, _attached(spec, tuple(leaves[i] for i in b), tuple(c), more)):
+            vals, token = _attached(specs[k], tuple(leaves[i] for i in b), tuple(carrier[k]), more,
+                                    token if chained else jnp.zeros((), jnp.float32))
+            for i, v in zip(b, vals):
                 out[i] = v
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    def exchange_order(self, fun: Callable[..., Any], params: Any, *args: Any) -> list[int]:
+        """The bucket indices of ``params`` in the order the backward pass of
+        ``fun(params, *args)`` completes their gradients: a leaf's gradient is complete
+        once the backward pass reaches its *first* use in the forward pass, so buckets go
+        by their earliest first use, latest first (what PyTorch DDP learns by watching its
+        first step; here read from the traced program). Unused leaves count as ready at
+        once; ties keep tree order."""
+        n = len(jax.tree_util.tree_leaves(params))
+        names = self.axis_name if isinstance(self.axis_name, (tuple, list)) else (self.axis_name,)
+        bound = all(_compat.axis_is_bound(a) for a in names)  # also callable outside shard_map
+        uses = _compat.first_uses(fun, _compat.vary(params, self.axis_name) if bound else params, *args)[:n]
+        buckets = self.buckets(params)
+        ready = [min(uses[i] for i in b) for b in buckets]
+        return sorted(range(len(buckets)), key=lambda k: (-ready[k], k))
 
     def restore(self, state: tuple, carrier_grad: tuple) -> tuple:
         """The new state from the gradient with respect to the carrier."""
@@ -222,8 +294,10 @@ class InBackwardSync:
                     _compat.vary(params, self.axis_name), *args)
                 return (value, grads), state
 
+            order = self.exchange_order(fun, params, *args)
+
             def inner(p, carrier, *a):
-                return fun(self.attach(p, carrier, state, pending=pending), *a)
+                return fun(self.attach(p, carrier, state, pending=pending, order=order), *a)
 
             value, (grads, carrier_grad) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux)(
                 params, self.carrier(state), *args)

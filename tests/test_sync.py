@@ -97,6 +97,57 @@ def test_several_buckets_stay_within_the_codec_bound(mesh):
     assert all(int(s.count) == 1 for s in state)
 
 
+def _reaches(module, comp, src: str, dst: str) -> bool:
+    """Whether instruction ``dst`` of ``comp`` depends on ``src``."""
+    ops = {i.name: i.operands for i in module.computations[comp]}
+    seen, todo = set(), [dst]
+    while todo:
+        n = todo.pop()
+        if n == src:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(ops.get(n, ()))
+    return False
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_buckets_exchange_in_backward_order_one_after_another(mesh, chained):
+    """The buckets go in the order the backward pass completes them (the latest first use
+    first), and each bucket's exchange waits for the mean of the one before it: in the
+    compiled program every all-to-all but the first depends on an earlier bucket's
+    all-gather, so XLA cannot merge the buckets' collectives into one after the backward
+    pass. Without an order, none does (the control)."""
+    from commjax import _hlo_traffic as hlo
+
+    params, x = _model(), _data()
+    sync = cj.sync_in_backward(cj.sign(), AX, bucket_bytes=1)  # one bucket per leaf
+    leaves = [k for k in sorted(params)]  # tree order: b1, w1, w2, w3
+    assert leaves == ["b1", "w1", "w2", "w3"]
+    order = sync.exchange_order(_loss, params, x)
+    assert [leaves[k] for k in order] == ["w3", "w2", "b1", "w1"]
+    with pytest.raises(ValueError, match="order"):
+        sync.attach(params, sync.carrier(sync.init(params)), sync.init(params), order=[0, 1])
+    state = cj.init_sharded(sync.as_transform(), params, mesh, AX)
+
+    def body(p, s, xb):
+        def inner(p, carrier):
+            return _loss(sync.attach(p, carrier, s, order=order if chained else None), xb)
+        g, c = jax.grad(inner, argnums=(0, 1))(p, sync.carrier(s))
+        return jax.tree_util.tree_map(lambda a: a[None], g), sync.restore(s, c)
+
+    specs = cj.state_specs(state, AX)
+    f = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(AX)),
+                                  out_specs=(P(AX), specs), check_vma=True))
+    module = hlo.parse(f.lower(params, state, jax.device_put(x, NamedSharding(mesh, P(AX)))).compile().as_text())
+    entry = module.computations[module.entry]
+    gathers = [i.name for i in entry if i.opcode.startswith("all-gather") and not i.opcode.endswith("-done")]
+    scatters = [i.name for i in entry if i.opcode.startswith("all-to-all") and not i.opcode.endswith("-done")]
+    assert len(scatters) == len(gathers) == 3  # b1 (64 values) goes exact
+    waiting = sum(any(_reaches(module, module.entry, g, a) for g in gathers) for a in scatters)
+    assert waiting == (2 if chained else 0)
+
+
 def test_inside_scan_and_checkpoint(mesh):
     """Layers under lax.scan with jax.checkpoint: each layer slice attached inside the body."""
     layers = jax.random.normal(jax.random.PRNGKey(3), (4, 64, 64)) / 8
