@@ -271,12 +271,6 @@ def ef21_config(name, args, corpus, held, cache) -> dict:
                    what=f"compressed_mean({codec.name}, error_feedback='ef21') vs classic error feedback, Adam")
 
 
-#: Steps of dp_model_mesh (its targets are bytes and layouts, and the held-out gap is
-#: compared at equal steps). Its runs once hung on CPU devices for want of client threads
-#: (commjax.launch.set_cpu_threads; _devices now sets them).
-MESH_STEPS = 20
-
-
 def dp_model_mesh_config(name, args, corpus, held, cache) -> dict:
     """cj.data_parallel on data x model = 4 x 2 (heads and MLP columns split over "model"
     by NamedSharding, the loss written for whole weights) against a 1-D mesh of 4."""
@@ -287,7 +281,7 @@ def dp_model_mesh_config(name, args, corpus, held, cache) -> dict:
     mesh2 = _compat.make_mesh((4, 2), ("data", "model"), devices=devices)
     mesh1 = _compat.make_mesh((4,), ("data",), devices=devices[:4])
     tx = lambda: optax.chain(cj.compressed_mean(cj.quantize(4), "data"), optax.adam(3e-3))  # noqa: E731
-    steps = min(args.steps, MESH_STEPS)
+    steps = args.steps
     out = {"config": name, "steps": steps, "runs": []}
     for seed in args.seeds:
         params = pl.init_params(cfg, seed)
