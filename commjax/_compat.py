@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Var as _JaxprVar  # the jaxpr types' public home since 0.4.36
 
 __all__ = [
     "shard_map",
@@ -196,12 +197,10 @@ def as_uint_words(x: jax.Array) -> jax.Array:
 def first_uses(fun: Callable[..., Any], *args: Any) -> list[int]:
     """For each leaf of ``args`` (flattened in order), the index of the first equation of
     ``fun``'s traced program that reads it (the number of equations if none does)."""
-    from jax.extend.core import Var  # the jaxpr types' public home in 0.10 and later
-
     jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
     first: dict = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if isinstance(v, Var):
+            if isinstance(v, _JaxprVar):
                 first.setdefault(v, k)
     return [first.get(v, len(jaxpr.eqns)) for v in jaxpr.invars]
