@@ -312,34 +312,28 @@ def test_without_check_finite_the_mean_is_still_replicated(name, mesh):
     assert float(np.max(np.asarray(state.metrics["nonfinite"]))) == 0.0  # nothing was tested
 
 
-@pytest.mark.parametrize("reducer,n", [("two_phase", 201 * 2048), ("allgather", 1608 * 256)])
-def test_large_gathered_pieces_travel_in_whole_lanes(mesh, monkeypatch, reducer, n):
-    """A gathered payload piece of at least GATHER_PAD_FROM words that is not a whole number
-    of 128-word lanes (13,065 and 104,520 words here) travels padded to whole lanes, which
-    keeps XLA's TPU all-gather an all-gather: the compiled all-gather sends exactly the
-    plan's bytes, and the mean is bit for bit the one of the unpadded exchange."""
-    from commjax.collectives import _common
 
-    codec = cj.quantize(8, stochastic=False)
-    g = jax.random.normal(jax.random.PRNGKey(5), (8, n // 512, 512)) * jnp.linspace(0.1, 3.0, 8)[:, None, None]
+@pytest.mark.parametrize("codec", [cj.quantize(8), cj.sign(), cj.cast(jnp.bfloat16)], ids=["q8", "sign", "bf16"])
+def test_segment_words_read_from_gathered_rows_equal_the_flat_payload(codec):
+    """The two-phase reducer all-gathers each replica's chunk as a row of ``[N, w]`` (a tiled
+    1-D gather becomes an all-reduce on TPU) and reads each segment's words row piece by
+    row piece: the same words as slicing the concatenated payload, for segments inside one
+    chunk, across chunk boundaries and spanning whole chunks."""
+    from commjax.collectives import _reducers
+    from commjax.compressors.base import Segment
 
-    def run():
-        tx = cj.compressed_mean(codec, "data", reducer=reducer)
-        state = cj.init_sharded(tx, {"w": g[0]}, mesh, "data")
-        specs = cj.state_specs(state, "data")
-        f = jax.jit(_compat.shard_map(lambda gr, s: tx.update({"w": gr[0]}, s)[0]["w"][None], mesh=mesh,
-                                      in_specs=(P("data"), specs), out_specs=P("data"), check_vma=False))
-        rep = cj.collective_bytes(f, g, state)
-        plan = cj.communication_plan(tx, {"w": g[0]}, 8)
-        return np.asarray(f(g, state)), rep, plan
-
-    padded, rep, plan = run()
-    gathers = rep.of_kind("all-gather")
-    assert gathers and all(c.ring_bytes / 7 / 4 % _common.LANE_WORDS == 0 for c in gathers), rep.table()
-    assert rep.total_ring_bytes == pytest.approx(plan.compiled_bytes, abs=0.5), f"{rep.table()}\n{plan}"
-    monkeypatch.setattr(_common, "GATHER_PAD_FROM", 1 << 40)
-    plain, rep_plain, _ = run()
-    assert rep_plain.total_ring_bytes < rep.total_ring_bytes < 1.01 * rep_plain.total_ring_bytes
-    np.testing.assert_array_equal(padded, plain)
-    for r in range(1, 8):
-        np.testing.assert_array_equal(padded[r], padded[0])
+    n_rep, block = 4, codec.alignment
+    chunk_blocks = 5
+    m = n_rep * chunk_blocks * block
+    w = codec.payload_words(chunk_blocks * block)
+    flat = jnp.asarray(np.arange(n_rep * w, dtype=np.uint32) * np.uint32(2654435761))
+    rows = flat.reshape(n_rep, w)
+    sizes = [1, 3, 7, 2, 4, 1, 2]  # blocks per segment: 20 = 4 chunks of 5
+    offset = 0
+    for nb in sizes:
+        seg = Segment(offset * block, nb * block - 3, nb * block, (nb * block - 3,))
+        got = _reducers._chunked_segment_words(codec, rows, w, seg)
+        want = _reducers._segment_words(codec, flat, seg)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        offset += nb
+    assert offset * block == m

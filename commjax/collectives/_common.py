@@ -196,34 +196,10 @@ def _flag_bytes(codec, n) -> float:
     return ring_bytes("all-reduce", 4, n) if codec.fallback is not None else 0.0
 
 
-#: TPU tiles a 1-D u32 array by 128-word lanes, and XLA's TPU compiler lowers a 1-D
-#: all-gather whose per-replica piece is not a whole number of lanes as a dynamic update
-#: of a zero-filled whole plus an all-reduce of it: twice the ring bytes and a pass over
-#: the whole. Payload pieces of at least ``GATHER_PAD_FROM`` words travel padded to whole
-#: lanes (zero words, never decoded; under 1% more bytes); smaller ones as they are.
-LANE_WORDS = 128
-GATHER_PAD_FROM = 100 * LANE_WORDS
-
-
-def gather_words(words: int) -> int:
-    """The words per replica that an all-gather of a ``words``-word payload piece sends."""
-    words = int(words)
-    return _round_up(words, LANE_WORDS) if words >= GATHER_PAD_FROM else words
-
-
-def gather_bytes(payload_bytes: float, num_replicas: int) -> float:
-    """Ring bytes of [`all_gather_words`][] for a piece of ``payload_bytes`` (whole words)."""
-    return ring_bytes("all-gather", 4 * gather_words(int(payload_bytes) // 4), num_replicas)
-
-
-def all_gather_words(words: jax.Array, axis_name: Any, *, tiled: bool) -> jax.Array:
-    """``all_gather_invariant`` of each replica's 1-D payload ``words`` (``[N, w]``, or
-    ``[N * w]`` with ``tiled``), sent padded to [`gather_words`][] and cut back."""
-    w = words.shape[0]
-    padded = gather_words(w)
-    if padded != w:
-        words = jnp.pad(words, (0, padded - w))
-    got = _compat.all_gather_invariant(words, axis_name, tiled=False)
-    if padded != w:
-        got = got[:, :w]
-    return got.reshape(-1) if tiled else got
+def all_gather_words(words: jax.Array, axis_name: Any) -> jax.Array:
+    """``all_gather_invariant`` of each replica's 1-D payload ``words`` as ``[N, w]`` rows
+    (row ``r``: replica ``r``'s words), read by slices. Not the tiled ``[N * w]``: XLA's
+    TPU compiler lowers a tiled 1-D all-gather whose piece is not a whole number of
+    128-word lanes as an all-reduce of a zero-filled whole (twice the ring bytes), and
+    keeps the untiled one an all-gather whatever ``w``."""
+    return _compat.all_gather_invariant(words, axis_name, tiled=False)
