@@ -310,30 +310,3 @@ def test_without_check_finite_the_mean_is_still_replicated(name, mesh):
     assert np.isnan(np.asarray(out["a"])).any()  # nothing filtered it out
     assert np.all(np.isfinite(np.asarray(out["b"])))
     assert float(np.max(np.asarray(state.metrics["nonfinite"]))) == 0.0  # nothing was tested
-
-
-
-@pytest.mark.parametrize("codec", [cj.quantize(8), cj.sign(), cj.cast(jnp.bfloat16)], ids=["q8", "sign", "bf16"])
-def test_segment_words_read_from_gathered_rows_equal_the_flat_payload(codec):
-    """The two-phase reducer all-gathers each replica's chunk as a row of ``[N, w]`` (a tiled
-    1-D gather becomes an all-reduce on TPU) and reads each segment's words row piece by
-    row piece: the same words as slicing the concatenated payload, for segments inside one
-    chunk, across chunk boundaries and spanning whole chunks."""
-    from commjax.collectives import _reducers
-    from commjax.compressors.base import Segment
-
-    n_rep, block = 4, codec.alignment
-    chunk_blocks = 5
-    m = n_rep * chunk_blocks * block
-    w = codec.payload_words(chunk_blocks * block)
-    flat = jnp.asarray(np.arange(n_rep * w, dtype=np.uint32) * np.uint32(2654435761))
-    rows = flat.reshape(n_rep, w)
-    sizes = [1, 3, 7, 2, 4, 1, 2]  # blocks per segment: 20 = 4 chunks of 5
-    offset = 0
-    for nb in sizes:
-        seg = Segment(offset * block, nb * block - 3, nb * block, (nb * block - 3,))
-        got = _reducers._chunked_segment_words(codec, rows, w, seg)
-        want = _reducers._segment_words(codec, flat, seg)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        offset += nb
-    assert offset * block == m

@@ -194,12 +194,3 @@ def _flag_bytes(codec, n) -> float:
     """The fp32 overflow flag a codec with a fallback sums after an all-to-all (the
     fallback's own collectives run only on overflow: not counted)."""
     return ring_bytes("all-reduce", 4, n) if codec.fallback is not None else 0.0
-
-
-def all_gather_words(words: jax.Array, axis_name: Any) -> jax.Array:
-    """``all_gather_invariant`` of each replica's 1-D payload ``words`` as ``[N, w]`` rows
-    (row ``r``: replica ``r``'s words), read by slices. Not the tiled ``[N * w]``: XLA's
-    TPU compiler lowers a tiled 1-D all-gather whose piece is not a whole number of
-    128-word lanes as an all-reduce of a zero-filled whole (twice the ring bytes), and
-    keeps the untiled one an all-gather whatever ``w``."""
-    return _compat.all_gather_invariant(words, axis_name, tiled=False)

@@ -18,7 +18,6 @@ from commjax.compressors.sparse import TopK
 from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _encode_rows_feedback, _fallback_cond, _flag_bytes, _overflow_anywhere, _round_up,
-    all_gather_words,
     decode_rows, decode_sum, encode_rows,
 )
 
@@ -99,21 +98,6 @@ def _segment_words(codec: Compressor, words: jax.Array, seg: Segment) -> jax.Arr
     row = codec.payload_words(codec.alignment)
     lo = seg.offset // codec.alignment * row
     return words[..., lo:lo + seg.padded_size // codec.alignment * row]
-
-
-def _chunked_segment_words(codec: Compressor, rows: jax.Array, w: int, seg: Segment) -> jax.Array:
-    """``_segment_words`` of the payload whose ``w``-word chunk ``j`` is row ``j`` of
-    ``rows`` (the all-gathered chunks): the segment's words, row piece by row piece."""
-    row = codec.payload_words(codec.alignment)
-    pos = seg.offset // codec.alignment * row
-    end = pos + seg.padded_size // codec.alignment * row
-    pieces = []
-    while pos < end:
-        j = pos // w
-        stop = min(end, (j + 1) * w)
-        pieces.append(rows[j, pos - j * w:stop - j * w])
-        pos = stop
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +181,7 @@ class AllGather(Reducer):
             return _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key,
                                          residuals, server_residual)
         words, outs = _local_parts(codec, parts, segments, residuals, key)
-        got = all_gather_words(jnp.concatenate(words), axis_name)
+        got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
         means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size, num_replicas)[:s.size]
                  for s in segments]
         finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
@@ -228,7 +212,7 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
     same on every replica), the fallback's payloads of the same ``y``, whose mean is used."""
     ys = _with_residuals(parts, segments, residuals)
     words, outs = _encode_ys(codec, ys, segments, residuals, key)
-    got = all_gather_words(jnp.concatenate(words), axis_name)
+    got = _compat.all_gather_invariant(jnp.concatenate(words), axis_name, tiled=False)
 
     def means_of(c, g):
         return [decode_sum(c, _segment_words(c, g, s), s.padded_size, num_replicas)[:s.size]
@@ -237,7 +221,7 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
     def raw():
         fb = codec.fallback
         fb_words = jnp.concatenate([fb.encode(y, None, start=s.offset) for y, s in zip(ys, segments)])
-        return means_of(fb, all_gather_words(fb_words, axis_name))
+        return means_of(fb, _compat.all_gather_invariant(fb_words, axis_name, tiled=False))
 
     means = lax.cond(codec.payload_overflow(got), raw, lambda: means_of(codec, got))
     finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
@@ -248,7 +232,7 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
     """All-gather reducer of a codec whose selection spans leaves: the joined bucket."""
     x = _joined(parts, segments, residuals)
     words, local = codec.encode_and_decode(x, key, segments)
-    got = all_gather_words(words, axis_name)
+    got = _compat.all_gather_invariant(words, axis_name, tiled=False)
     mean = codec.decode_sum(got, x.shape[0], segments, divide=num_replicas)
     outs = flat_bucket.cut(local if residuals is None else x - local, segments)
     return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual))
@@ -326,13 +310,13 @@ class TwoPhase(Reducer):
         gathered, new_server = _two_phase_exchange(
             codec, server, rows, m // num_replicas, axis_name, num_replicas, key, server_residual,
             server_error_feedback)
-        finite, w = None, server.payload_words(m // num_replicas)
+        finite = None
         if isinstance(server, BlockCompressor):
-            words = [_chunked_segment_words(server, gathered, w, s) for s in segments]
-            means = [server.decode(x, s.padded_size)[:s.size] for x, s in zip(words, segments)]
+            words = [_segment_words(server, gathered, s) for s in segments]
+            means = [server.decode(w, s.padded_size)[:s.size] for w, s in zip(words, segments)]
             finite = _payload_finite(server, words)
         else:
-            full = decode_rows(server, gathered, m // num_replicas)
+            full = decode_rows(server, gathered.reshape(num_replicas, -1), m // num_replicas)
             means = flat_bucket.cut(full.reshape(-1), segments)
         return PartsResult(means, outs, new_server, finite)
 
@@ -353,13 +337,12 @@ def _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas):
 def _two_phase_exchange(codec, server, rows, chunk, axis_name, num_replicas, key, server_residual,
                         server_error_feedback):
     """All-to-all of the ``[N, w]`` destination rows, decode + sum + re-encode the chunk
-    this replica owns, all-gather. Returns the gathered words of the mean of the whole
-    bucket (``[N, w]``: chunk ``j`` in row ``j``, [`all_gather_words`][]) and the new
-    server residual."""
+    this replica owns, all-gather. Returns the gathered words (``[N * w]``) of the mean of
+    the whole bucket and the new server residual."""
     received = _compat.all_to_all(rows, axis_name)
     mine = decode_sum(codec, received, chunk, num_replicas)
     words, new_server, _ = _server_encode(server, mine, key, server_residual, server_error_feedback)
-    return all_gather_words(words, axis_name), new_server
+    return _compat.all_gather_invariant(words, axis_name, tiled=True), new_server
 
 
 def _server_encode(server, mine, key, server_residual, server_error_feedback):
@@ -400,18 +383,18 @@ def _two_phase_with_fallback(codec, server, parts, segments, m, axis_name, num_r
                     lambda: decode_sum(codec, received, chunk, num_replicas))
     words, new_server, server_in = _server_encode(server, mine, key, server_residual,
                                                   server_error_feedback)
-    gathered, w = all_gather_words(words, axis_name), words.shape[0]
+    gathered = _compat.all_gather_invariant(words, axis_name, tiled=True)
 
-    def means_of(c, g, width):
-        return [c.decode(_chunked_segment_words(c, g, width, s), s.padded_size)[:s.size] for s in segments]
+    def means_of(c, g):
+        return [c.decode(_segment_words(c, g, s), s.padded_size)[:s.size] for s in segments]
 
     def raw_means():
-        fb_words = server.fallback.encode(server_in, None)
-        return means_of(server.fallback, all_gather_words(fb_words, axis_name), fb_words.shape[0])
+        fb = server.fallback
+        return means_of(fb, _compat.all_gather_invariant(fb.encode(server_in, None), axis_name, tiled=True))
 
     means = _fallback_cond(server, lambda: server.payload_overflow(gathered),
-                           lambda: means_of(server, gathered, w), raw_means)
-    finite = _payload_finite(server, [_chunked_segment_words(server, gathered, w, s) for s in segments])
+                           lambda: means_of(server, gathered), raw_means)
+    finite = _payload_finite(server, [_segment_words(server, gathered, s) for s in segments])
     return PartsResult(means, outs, new_server, finite)
 
 
