@@ -265,8 +265,7 @@ class InBackwardSync:
         first step; here read from the traced program). Unused leaves count as ready at
         once; ties keep tree order."""
         n = len(jax.tree_util.tree_leaves(params))
-        names = self.axis_name if isinstance(self.axis_name, (tuple, list)) else (self.axis_name,)
-        bound = all(_compat.axis_is_bound(a) for a in names)  # also callable outside shard_map
+        bound = _compat.axis_is_bound(self.axis_name)  # also callable outside shard_map
         uses = _compat.first_uses(fun, _compat.vary(params, self.axis_name) if bound else params, *args)[:n]
         buckets = self.buckets(params)
         ready = [min(uses[i] for i in b) for b in buckets]

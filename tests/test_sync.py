@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
+from commjax import _hlo_traffic as hlo
 
 AX = "data"
 N = 8
@@ -118,11 +119,9 @@ def test_buckets_exchange_in_backward_order_one_after_another(mesh, chained):
     compiled program every all-to-all but the first depends on an earlier bucket's
     all-gather, so XLA cannot merge the buckets' collectives into one after the backward
     pass. Without an order, none does (the control)."""
-    from commjax import _hlo_traffic as hlo
-
     params, x = _model(), _data()
     sync = cj.sync_in_backward(cj.sign(), AX, bucket_bytes=1)  # one bucket per leaf
-    leaves = [k for k in sorted(params)]  # tree order: b1, w1, w2, w3
+    leaves = sorted(params)  # tree order: b1, w1, w2, w3
     assert leaves == ["b1", "w1", "w2", "w3"]
     order = sync.exchange_order(_loss, params, x)
     assert [leaves[k] for k in order] == ["w3", "w2", "b1", "w1"]
