@@ -10,7 +10,8 @@ memory spaces (TPU VMEM and SMEM: ``S(1)``, ``S(2)``, ...) are on chip and count
 
 * views move nothing (``parameter``, ``constant``, ``get-tuple-element``, ``tuple``,
   ``bitcast``, buffer allocations);
-* a fusion operand that the fused computation only slices counts as its slices;
+* a fusion operand counts only the elements some output of the fused computation needs
+  (a leaf cut from a joined bucket reads that leaf, not the bucket: ``_hlo_reads``);
 * an in-place update (``dynamic-update-slice`` or ``scatter``, alone or as a fusion's
   root) moves its updates (read and written) and indices, not the whole buffer;
 * a slice (``slice``, ``dynamic-slice``, and the TPU's asynchronous ``slice-start`` into
@@ -27,6 +28,8 @@ import dataclasses
 import math
 import re
 from typing import Optional
+
+from commjax._hlo_reads import read_fractions
 
 __all__ = ["Instr", "Module", "parse", "array_bytes", "shape_bytes", "traffic", "Traffic"]
 
@@ -184,18 +187,11 @@ def _params(module: Module, comp: str) -> dict:
             if i.opcode == "parameter" and i.args.isdigit()}
 
 
-def _sliced_reads(module: Module, comp: str) -> dict:
-    """Operand index -> bytes read, for the parameters of ``comp`` that are only sliced."""
-    users: dict = {}
-    for i in module.computations.get(comp, []):
-        for a in i.operands:
-            users.setdefault(a, []).append(i)
-    out = {}
-    for name, index in _params(module, comp).items():
-        use = users.get(name, [])
-        if use and all(u.opcode in ("slice", "dynamic-slice") for u in use):
-            out[index] = sum(shape_bytes(u.shape) for u in use)
-    return out
+def _partial_reads(module: Module, comp: str, reads: list) -> list:
+    """Bytes of each operand a fused computation reads: its padded bytes times the fraction
+    of its elements that some output needs ([`commjax._hlo_reads`][])."""
+    fractions = read_fractions(module.computations.get(comp, []))
+    return [r * fractions.get(k, 1.0) for k, r in enumerate(reads)]
 
 
 def _in_place(module: Module, ins: Instr, comp: Optional[str], sizes: dict) -> Optional[float]:
@@ -238,8 +234,9 @@ def instr_bytes(module: Module, ins: Instr, sizes: dict) -> float:
     moved = _in_place(module, ins, comp, sizes)
     if moved is not None:
         return moved
-    sliced = _sliced_reads(module, comp) if comp else {}
-    return shape_bytes(ins.shape) + sum(min(sliced.get(k, r), r) for k, r in enumerate(reads))
+    if comp:
+        reads = _partial_reads(module, comp, reads)
+    return shape_bytes(ins.shape) + sum(reads)
 
 
 def _fused(ins: Instr) -> Optional[str]:

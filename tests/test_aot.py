@@ -75,6 +75,51 @@ def test_traffic_counts_views_slices_and_async_pairs():
     assert t.straight == sum(by.values())
 
 
+_BUCKET = """HloModule cut, is_scheduled=true
+
+%cut_leaf (p0: f32[1024], p1: f32[3072], p2: f32[64,32]) -> (f32[2048], f32[16,32]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[3072]{0} parameter(1)
+  %a = f32[1,1024]{1,0} bitcast(%p0)
+  %b = f32[3,1024]{1,0} bitcast(%p1)
+  %joined = f32[4,1024]{1,0} concatenate(%a, %b), dimensions={0}
+  %flat = f32[4096]{0} bitcast(%joined)
+  %leaf = f32[2048]{0} slice(%flat), slice={[2048:4096]}
+  %neg = f32[2048]{0} negate(%leaf)
+  %p2 = f32[64,32]{1,0} parameter(2)
+  %rows = f32[16,32]{1,0} slice(%p2), slice={[8:24], [0:32]}
+  ROOT %out = (f32[2048]{0}, f32[16,32]{1,0}) tuple(%neg, %rows)
+}
+
+%tiled (p0: f32[4096]) -> f32[1024] {
+  %p0 = f32[4096]{0:T(1024)} parameter(0)
+  %t = f32[32,128]{1,0:T(8,128)} bitcast(%p0)
+  %piece = f32[8,128]{1,0:T(8,128)} slice(%t), slice={[0:8], [0:128]}
+  ROOT %r = f32[1024]{0:T(1024)} bitcast(%piece)
+}
+
+ENTRY %main (x: f32[1024], y: f32[3072], z: f32[64,32], w: f32[4096]) -> (f32[2048], f32[16,32]) {
+  %x = f32[1024]{0} parameter(0)
+  %y = f32[3072]{0} parameter(1)
+  %z = f32[64,32]{1,0} parameter(2)
+  %w = f32[4096]{0:T(1024)} parameter(3)
+  %t = f32[1024]{0:T(1024)} fusion(%w), kind=kLoop, calls=%tiled
+  ROOT %f = (f32[2048]{0}, f32[16,32]{1,0}) fusion(%x, %y, %z), kind=kLoop, calls=%cut_leaf
+}
+"""
+
+
+def test_fused_reads_follow_the_elements_each_output_needs():
+    """A leaf cut from a joined bucket in the same fusion reads that leaf's elements only:
+    the slice [2048, 4096) of the join of a 1024-element and a 3072-element part needs
+    none of the first part and 2048 of the second; a row slice of a matrix reads its rows.
+    Where a tiled layout hides the positions, the count of elements still bounds it."""
+    by = {name: b for b, _, name in hlo.traffic(hlo.parse(_BUCKET)).ops}
+    written = 2048 * 4 + 16 * 32 * 4
+    assert by["f"] == written + 2048 * 4 + 16 * 32 * 4
+    assert by["t"] == 1024 * 4 + 1024 * 4
+
+
 def test_overlap_and_ideal_from_the_schedule():
     module = hlo.parse(_TEXT)
     target = aot.TARGETS["h100x8"]
