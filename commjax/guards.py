@@ -25,6 +25,7 @@ __all__ = [
     "all_finite_elementwise",
     "keep_if",
     "l2_norm",
+    "l2_norm_near",
     "check_not_in_replica_conditional",
 ]
 
@@ -131,6 +132,40 @@ def l2_norm(arrays: Sequence[jax.Array]) -> jax.Array:
         am, aq = lax.reduce((big, ones), (jnp.float32(0.0), jnp.float32(0.0)), _scaled_pair, (0,))
         m, q = _scaled_pair((m, q), (am, aq))
     return m * jnp.sqrt(q)
+
+#: Below ``n * 2**-103`` a scaled sum of squares may have lost more than ``2**-23`` of itself
+#: to squares flushed to zero (each below ``2**-126``): ``l2_norm_near`` recomputes then.
+_FLUSH_MARGIN = 2.0 ** -103
+
+
+def _pow2(k: jax.Array) -> jax.Array:
+    """``2.0**k`` exactly, for integer ``k`` in ``[-126, 127]`` (built from its bits)."""
+    return lax.bitcast_convert_type((k + 127).astype(jnp.uint32) << 23, jnp.float32)
+
+
+def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array) -> jax.Array:
+    """``l2_norm(arrays)`` for arrays whose norm is likely near ``hint`` (last step's).
+
+    One plain sum of squares of ``a * 2**-k``, ``k = round(log2 hint)``, which XLA fuses
+    into the computation that writes the arrays (a GPU fuses one plain reduction with
+    its producer, not ``l2_norm``'s pair of them: one read of every array less per step).
+    Where that sum overflowed, is NaN, or is so small that squares flushed to zero may
+    matter (below ``n * 2**-103`` for ``n`` elements), ``l2_norm`` recomputes it under a
+    conditional: the same result to rounding, finite whenever the norm is. ``hint`` may
+    be anything (0, inf, NaN: no scaling)."""
+    arrays = [jnp.ravel(a).astype(jnp.float32) for a in arrays]
+    n = sum(a.shape[0] for a in arrays)
+    if n == 0:
+        return jnp.zeros((), jnp.float32)
+    hint = jnp.asarray(hint, jnp.float32).reshape(())
+    usable = jnp.isfinite(hint) & (hint > 0)
+    k = jnp.where(usable, jnp.clip(jnp.round(jnp.log2(jnp.where(usable, hint, 1.0))), -100, 100), 0.0)
+    k = k.astype(jnp.int32)
+    total = sum(jnp.sum(jnp.square(a * _pow2(-k))) for a in arrays)
+    # Formed outside the conditional: a branch that reads `total` kept XLA from fusing it.
+    fast = jnp.sqrt(total) * _pow2(k)
+    ok = jnp.isfinite(total) & (total >= n * _FLUSH_MARGIN)
+    return lax.cond(ok, lambda xs: fast, l2_norm, arrays)
 
 
 def _scaled_pair(x, y):

@@ -435,8 +435,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     return out, new_residual
 
 
-def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics) -> dict:
-    norm = guards.l2_norm(residual)
+def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics, last_norm) -> dict:
+    norm = guards.l2_norm_near(residual, last_norm)
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
@@ -467,7 +467,8 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
     new_state = CompressedMeanState(
         count=state.count + 1, key=state.key, residual=residual, server_residual=server,
         compressor_state=cs,
-        metrics=_metrics(cfg, residual, any_bad, {} if comp is None else comp.metrics),
+        metrics=_metrics(cfg, residual, any_bad, {} if comp is None else comp.metrics,
+                         state.metrics["residual_norm"]),
         made_for=state.made_for,
     )
     return jax.tree_util.tree_unflatten(treedef, out), new_state

@@ -150,6 +150,26 @@ def test_cast_fp16_saturates_instead_of_inf():
     np.testing.assert_array_equal(np.asarray(y), [65504.0, -65504.0, 3.0, 65504.0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_cast_local_value_is_the_decoded_payload(dtype):
+    """``encode_and_decode`` and ``encode_feedback`` take the local value from the rounding
+    itself, not from the words: bit for bit ``decode(encode(y))`` over the whole float32
+    range (subnormals, saturation, infinities, NaN, signed zeros)."""
+    bits = np.random.default_rng(3).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3.4e38, -70000.0], np.float32)
+    y = jnp.asarray(np.concatenate([bits.view(np.float32), special, np.zeros(248, np.float32)]))
+    e = jnp.asarray(np.random.default_rng(4).standard_normal(y.shape[0]).astype(np.float32))
+    codec = cj.cast(dtype)
+    words, local = codec.encode_and_decode(y, None)
+    np.testing.assert_array_equal(np.asarray(local).view(np.uint32),
+                                  np.asarray(codec.decode(words, y.shape[0])).view(np.uint32))
+    words_fb, res = codec.encode_feedback(y - e, e, None)
+    want = (y - e) + e
+    np.testing.assert_array_equal(np.asarray(words_fb), np.asarray(codec.encode(want, None)))
+    np.testing.assert_array_equal(np.asarray(res).view(np.uint32),
+                                  np.asarray(want - codec.decode(words_fb, y.shape[0])).view(np.uint32))
+
+
 @pytest.mark.parametrize(
     "name", ["q8", "q4", "q2", "qsgd", "qsgd7", "terngrad", "q4_block100"]
 )

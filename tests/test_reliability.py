@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
-from commjax import _compat
+from commjax import _compat, guards
 from commjax.checkpoint import CheckpointDataError, CheckpointMismatchError, Checkpointer
 from commjax.compressors.powersgd import matrix_shape
 
@@ -237,3 +237,23 @@ def test_damaged_checkpoints_are_reported_as_data_loss(tmp_path):
         f.unlink() if f.is_file() else f.rmdir()
     with Checkpointer(tmp_path / "a") as fresh, pytest.raises(CheckpointDataError, match="metadata"):
         fresh.restore(tree, step=2)
+
+
+@pytest.mark.parametrize("hint", [0.0, 1.0, "true", 1e-30, 1e30, float("inf"), float("nan")])
+@pytest.mark.parametrize("scale", [1e-36, 1e-30, 1e-20, 1e-3, 1.0, 1e10, 1e19, 1e30, 1e36])
+def test_residual_norm_from_one_scaled_sum_is_right_whatever_the_hint(scale, hint):
+    """``l2_norm_near`` (the residual metric: one plain sum, scaled by last step's norm)
+    matches the float64 norm to 2e-6 for any magnitude and any hint, and is inf exactly
+    where the norm exceeds float32's range, as ``l2_norm`` is."""
+    rng = np.random.default_rng(0)
+    parts = [(rng.standard_normal(n) * scale).astype(np.float32) for n in (5000, 777)]
+    parts[1][:3] = 0.0
+    true = np.sqrt(sum(np.sum(p.astype(np.float64) ** 2) for p in parts))
+    h = true if hint == "true" else hint
+    got = float(guards.l2_norm_near([jnp.asarray(p) for p in parts], h))
+    if true > np.finfo(np.float32).max:
+        assert np.isinf(got)
+    else:
+        assert abs(got - true) <= 2e-6 * true, (got, true)
+    assert float(guards.l2_norm_near([jnp.zeros(10)], h)) == 0.0
+    assert np.isnan(float(guards.l2_norm_near([jnp.asarray([1.0, np.nan])], h)))

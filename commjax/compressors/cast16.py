@@ -71,6 +71,16 @@ class Cast(BlockCompressor):
         half = unpack_codes(rows, 16, self.block_size).astype(jnp.uint16)
         return lax.bitcast_convert_type(half, self.dtype).astype(jnp.float32)
 
+    def encode_and_decode(self, x, key, segments=None, *, start: int = 0):
+        """``decode(encode(x))`` is ``x`` rounded (packing is lossless): taken from ``x``
+        itself, not unpacked from the words, so the rounding fuses with what reads it."""
+        return self.encode(x, key, segments, start=start), self._round(x).astype(jnp.float32)
+
+    def encode_feedback(self, x, residual, key, *, start: int = 0):
+        y = x + residual.astype(jnp.float32)
+        words, local = self.encode_and_decode(y, key, start=start)
+        return words, y - local
+
     def encode_linear(self, x, key):
         return self._round(x)
 
