@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax.compressors.base import Segment
-from commjax.compressors.powersgd import low_rank_product, matrix_shape, orthogonalize, powersgd
+from commjax.compressors.powersgd import low_rank_product, matrix_shape, orthogonalize, outer_sum, powersgd
 from commjax.exchanges.powersgd import product_finite
 from commjax.testing import flat_residual
 
@@ -598,3 +598,26 @@ def test_product_finite_is_sound_and_is_the_stated_bound(rank):
         if not np.isfinite(bound) or abs(bound / fmax - 1) > 2e-3:  # away from the margin
             assert said == (bound < fmax), (k, bound / fmax)
     assert {(True, True), (False, False)} <= seen
+
+
+@pytest.mark.parametrize("r", [1, 2, 4, 8])
+def test_outer_sum_is_the_product_and_the_same_bits_in_every_fusion(r):
+    """The accelerators' ``P Q^T`` (element-wise, fused into each consumer) is the product
+    to within ``r`` roundings, and two consumers fused differently (the residual
+    ``M - P Q^T`` and the update ``p - lr P Q^T``) see the same bits of it."""
+    rng = np.random.default_rng(r)
+    p = rng.standard_normal((96, r)).astype(np.float32)
+    q = (rng.standard_normal((80, r)) * 1e-3).astype(np.float32)
+    want = p.astype(np.float64) @ q.T.astype(np.float64)
+    got = np.asarray(jax.jit(outer_sum)(p, q))
+    bound = (r + 1) * 2.0 ** -24 * (np.abs(p).astype(np.float64) @ np.abs(q).T.astype(np.float64))
+    assert np.all(np.abs(got - want) <= bound)
+    m = jnp.asarray(rng.standard_normal((96, 80)).astype(np.float32))
+
+    def consumers(p, q, m):
+        hat = outer_sum(p, q)
+        return m - hat, m - 0.5 * hat, hat
+
+    res, upd, hat = jax.jit(consumers)(p, q, m)
+    np.testing.assert_array_equal(np.asarray(res), np.asarray(m) - np.asarray(hat))
+    np.testing.assert_array_equal(np.asarray(upd), np.asarray(m) - np.float32(0.5) * np.asarray(hat))
