@@ -152,12 +152,22 @@ def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array) -> jax.Array:
     Where that sum overflowed, is NaN, or is so small that squares flushed to zero may
     matter (below ``n * 2**-103`` for ``n`` elements), ``l2_norm`` recomputes it under a
     conditional: the same result to rounding, finite whenever the norm is. ``hint`` may
-    be anything (0, inf, NaN: no scaling)."""
+    be anything (0, inf, NaN: no scaling).
+
+    On TPU, ``l2_norm`` itself: there the conditional's operands cost more scratch
+    (+111 MB, 1.3 gradients, for a 21M-parameter MLP's int8 step on a v5e) than the
+    read it saves (94 MB of traffic)."""
     arrays = [jnp.ravel(a).astype(jnp.float32) for a in arrays]
-    n = sum(a.shape[0] for a in arrays)
-    if n == 0:
+    if sum(a.shape[0] for a in arrays) == 0:
         return jnp.zeros((), jnp.float32)
     hint = jnp.asarray(hint, jnp.float32).reshape(())
+    return lax.platform_dependent(hint, *arrays, tpu=lambda h, *xs: l2_norm(xs), default=_scaled_sum_norm)
+
+
+def _scaled_sum_norm(hint: jax.Array, *arrays: jax.Array) -> jax.Array:
+    """``l2_norm_near`` off TPU: the scaled sum, ``l2_norm`` where it cannot be trusted."""
+    n = sum(a.shape[0] for a in arrays)
+    arrays = list(arrays)
     usable = jnp.isfinite(hint) & (hint > 0)
     k = jnp.where(usable, jnp.clip(jnp.round(jnp.log2(jnp.where(usable, hint, 1.0))), -100, 100), 0.0)
     k = k.astype(jnp.int32)
