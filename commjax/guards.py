@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from commjax import _compat
+from commjax.kernels._dispatch import pow2
 
 __all__ = [
     "AxisNotBoundError",
@@ -133,14 +134,10 @@ def l2_norm(arrays: Sequence[jax.Array]) -> jax.Array:
         m, q = _scaled_pair((m, q), (am, aq))
     return m * jnp.sqrt(q)
 
+
 #: Below ``n * 2**-103`` a scaled sum of squares may have lost more than ``2**-23`` of itself
 #: to squares flushed to zero (each below ``2**-126``): ``l2_norm_near`` recomputes then.
 _FLUSH_MARGIN = 2.0 ** -103
-
-
-def _pow2(k: jax.Array) -> jax.Array:
-    """``2.0**k`` exactly, for integer ``k`` in ``[-126, 127]`` (built from its bits)."""
-    return lax.bitcast_convert_type((k + 127).astype(jnp.uint32) << 23, jnp.float32)
 
 
 def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array) -> jax.Array:
@@ -171,9 +168,9 @@ def _scaled_sum_norm(hint: jax.Array, *arrays: jax.Array) -> jax.Array:
     usable = jnp.isfinite(hint) & (hint > 0)
     k = jnp.where(usable, jnp.clip(jnp.round(jnp.log2(jnp.where(usable, hint, 1.0))), -100, 100), 0.0)
     k = k.astype(jnp.int32)
-    total = sum(jnp.sum(jnp.square(a * _pow2(-k))) for a in arrays)
+    total = sum(jnp.sum(jnp.square(a * pow2(-k))) for a in arrays)
     # Formed outside the conditional: a branch that reads `total` kept XLA from fusing it.
-    fast = jnp.sqrt(total) * _pow2(k)
+    fast = jnp.sqrt(total) * pow2(k)
     ok = jnp.isfinite(total) & (total >= n * _FLUSH_MARGIN)
     return lax.cond(ok, lambda xs: fast, l2_norm, arrays)
 

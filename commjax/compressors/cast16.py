@@ -76,11 +76,6 @@ class Cast(BlockCompressor):
         itself, not unpacked from the words, so the rounding fuses with what reads it."""
         return self.encode(x, key, segments, start=start), self._round(x).astype(jnp.float32)
 
-    def encode_feedback(self, x, residual, key, *, start: int = 0):
-        y = x + residual.astype(jnp.float32)
-        words, local = self.encode_and_decode(y, key, start=start)
-        return words, y - local
-
     def encode_linear(self, x, key):
         return self._round(x)
 

@@ -63,7 +63,7 @@ from commjax import _compat
 
 __all__ = [
     "IMPLS", "ENV_VAR", "VERIFIED_BACKENDS", "check_impl", "resolve_impl", "auto_impl",
-    "dispatch", "out_type", "vary_like", "fence", "interpret_flag",
+    "dispatch", "out_type", "vary_like", "fence", "pow2", "interpret_flag",
 ]
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -148,6 +148,12 @@ def fence(product: jax.Array, factor: jax.Array) -> jax.Array:
     guard = lax.shift_right_logical(lax.bitcast_convert_type(factor, jnp.uint32), jnp.uint32(31))
     bits = lax.bitcast_convert_type(product, jnp.uint32) | guard
     return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def pow2(k: jax.Array) -> jax.Array:
+    """``2.0**k`` exactly, for int32 ``k`` in the normal fp32 range ``[-126, 127]``, built
+    from its exponent bits (``exp2`` need not be exact)."""
+    return lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.uint32), jnp.float32)
 
 
 def interpret_flag(args: Sequence[Any]) -> Any:

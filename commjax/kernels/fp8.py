@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax.kernels._dispatch import dispatch, fence, resolve_impl
+from commjax.kernels._dispatch import dispatch, fence, pow2, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
 from commjax.kernels.reference import feedback_sum, row_constants
 
@@ -59,11 +59,6 @@ FP8_FORMATS = {
 }
 
 
-def _pow2(k: jax.Array) -> jax.Array:
-    """``2.0**k`` for int32 ``k`` in the normal fp32 range, built from its exponent bits."""
-    return lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.uint32), jnp.float32)
-
-
 def fp8_tile(x, u, e, c, step, scale_word, *, fmt: Fp8Format, output: Optional[str]):
     """One tile of rows, as every implementation computes it (values, not refs): ``c``,
     ``step``, ``scale_word`` are the tile's ``[T, 1]`` per-row constants."""
@@ -73,7 +68,7 @@ def fp8_tile(x, u, e, c, step, scale_word, *, fmt: Fp8Format, output: Optional[s
     a = jnp.minimum(jnp.abs(q), fmt.fmax)
     bits = lax.bitcast_convert_type(a, jnp.uint32)
     k = jnp.maximum((bits >> 23).astype(jnp.int32) - 127, fmt.emin)
-    t = a * _pow2(fmt.mant_bits - k)
+    t = a * pow2(fmt.mant_bits - k)
     n = jnp.round(t) if u is None else jnp.floor(t + u)
     neg = (lax.bitcast_convert_type(q, jnp.uint32) >> 31) << 7
     code = neg | (((k - fmt.emin) << fmt.mant_bits) + n.astype(jnp.int32)).astype(jnp.uint32)
@@ -84,7 +79,7 @@ def fp8_tile(x, u, e, c, step, scale_word, *, fmt: Fp8Format, output: Optional[s
     if output is None:
         return row, None
     value = lax.bitcast_convert_type(
-        lax.bitcast_convert_type(n * _pow2(k - fmt.mant_bits), jnp.uint32) | (neg << 24), jnp.float32)
+        lax.bitcast_convert_type(n * pow2(k - fmt.mant_bits), jnp.uint32) | (neg << 24), jnp.float32)
     decoded = fence(value * step, step)
     return row, decoded if output == "decoded" else x - decoded
 
