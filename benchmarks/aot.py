@@ -183,6 +183,7 @@ def measure(target: str, model: str, names: list, dump: Any = None) -> list:
             compiled = aot.compile_update(tx, params, mesh)
             rep = aot.analyze(compiled, target)
             if dump:
+                Path(dump).mkdir(parents=True, exist_ok=True)
                 Path(dump, f"{target.replace(':', '_')}_{model}_{name}.hlo").write_text(compiled.as_text())
         except Exception as e:  # noqa: BLE001 - a method that does not compile is a result
             rows.append({"method": name, "family": family, "error": f"{type(e).__name__}: {str(e)[:300]}"})

@@ -16,7 +16,7 @@ Demand is kept per instruction as one of
   row-major pieces;
 * a count of elements at unknown positions (``_Count``): after an operation that moves
   elements the analysis does not follow (a bitcast between tiled layouts, a dynamic
-  slice).
+  slice; a gather, which loads a 32-byte memory sector per element it reads).
 
 Every other operation demands its operands whole. The result is an upper bound on the
 elements read, never below what the loop loads.
@@ -59,6 +59,11 @@ _Demand = Union[None, _Intervals, _Count]
 def _dims(shape: str) -> Optional[list]:
     m = _ARRAY.search(shape)
     return None if m is None else [int(d) for d in m.group(1).split(",") if d]
+
+
+def _element_bits(shape: str) -> int:
+    m = re.match(r"\(?[a-z]+?(\d+)", shape)
+    return int(m.group(1)) if m else 8
 
 
 def _row_major(shape: str) -> bool:
@@ -192,6 +197,11 @@ def _operand_demands(ins, d: _Demand, shapes: dict) -> list:
         return _concat_demands(d, out_dims, op_dims, ins.attrs)
     if ins.opcode == "dynamic-slice":
         return [_Count(_size(d, n_out))] + [None] * (len(op_dims) - 1)
+    if ins.opcode == "gather":
+        # One operand element per output element, at positions the indices decide: each
+        # loads a whole 32-byte memory sector.
+        per_sector = max(1, 256 // _element_bits(op_shapes[0]))
+        return [_Count(per_sector * _size(d, n_out))] + [None] * (len(op_dims) - 1)
     return [None] * len(op_dims)
 
 

@@ -194,8 +194,17 @@ def _partial_reads(module: Module, comp: str, reads: list) -> list:
     return [r * fractions.get(k, 1.0) for k, r in enumerate(reads)]
 
 
+def _updates(ins: Instr) -> list:
+    """The operands an in-place ``scatter`` or ``dynamic-update-slice`` writes: its updates."""
+    if ins.opcode == "dynamic-update-slice":
+        return ins.operands[1:2]
+    n = (len(ins.operands) - 1) // 2  # scatter: n buffers, the indices, n updates
+    return ins.operands[n + 1:]
+
+
 def _in_place(module: Module, ins: Instr, comp: Optional[str], sizes: dict) -> Optional[float]:
-    """Bytes of an in-place update: indices and updates read, updates written."""
+    """Bytes of an in-place update: the other operands read (the part of each a fused
+    computation reads), the updates written; the buffer updated is neither."""
     if comp is not None:
         roots = [i for i in module.computations.get(comp, []) if i.root]
         if not roots or roots[0].opcode not in ("scatter", "dynamic-update-slice"):
@@ -204,14 +213,14 @@ def _in_place(module: Module, ins: Instr, comp: Optional[str], sizes: dict) -> O
         buffer = roots[0].operands[0] if roots[0].operands else None
         if buffer not in params:
             return None
-        rest = [o for k, o in enumerate(ins.operands) if k != params[buffer]]
-    elif ins.opcode in ("scatter", "dynamic-update-slice"):
-        rest = ins.operands[1:]
-    else:
+        reads = _partial_reads(module, comp, [shape_bytes(sizes.get(o, "")) for o in ins.operands])
+        inner = module.shapes(comp)
+        written = sum(shape_bytes(inner.get(o, "")) for o in _updates(roots[0]))
+        return sum(r for k, r in enumerate(reads) if k != params[buffer]) + written
+    if ins.opcode not in ("scatter", "dynamic-update-slice"):
         return None
-    if not rest:
-        return 0.0
-    return sum(shape_bytes(sizes.get(o, "")) for o in rest) + shape_bytes(sizes.get(rest[-1], ""))
+    reads = sum(shape_bytes(sizes.get(o, "")) for o in ins.operands[1:])
+    return reads + sum(shape_bytes(sizes.get(o, "")) for o in _updates(ins))
 
 
 def instr_bytes(module: Module, ins: Instr, sizes: dict) -> float:

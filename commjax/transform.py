@@ -337,17 +337,20 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     segs = plan.segments
     parts = [jnp.pad(jnp.ravel(leaves[i]).astype(jnp.float32), (0, s.padded_size - s.size))
              for i, s in zip(comp_idx, segs)]
-    if plan.finite_flags and not cfg.compressor.leaf_local:
-        # A non-finite leaf would spoil the others' encoding: it contributes zeros.
-        # Decided once for the bucket (a select inside the fusion that joins it is slow).
-        ok = exact.local_ok
-        parts = lax.cond(jnp.all(jnp.stack(ok)), lambda ps: list(ps),
-                         lambda ps: [jnp.where(o, p, 0.0) for p, o in zip(ps, ok)], parts)
+    zero_bad = plan.finite_flags and not cfg.compressor.leaf_local
+    ok = list(exact.local_ok)
     if exact.bucket is not None and cfg.axis_name is not None:
         # Sequence the exact all-reduce before the compressed collectives: XLA may start
         # independent collectives in different orders on different devices, which
-        # deadlocks runtimes that rendezvous per collective (CPU).
-        _, parts = lax.optimization_barrier((exact.bucket, parts))
+        # deadlocks runtimes that rendezvous per collective (CPU). Through the flags
+        # when the parts read them: a barrier on the parts themselves writes them out.
+        if zero_bad:
+            _, ok = lax.optimization_barrier((exact.bucket, ok))
+        else:
+            _, parts = lax.optimization_barrier((exact.bucket, parts))
+    if zero_bad:
+        # A non-finite leaf would spoil the others' encoding: it contributes zeros.
+        parts = _zero_bad(parts, ok)
     residuals = list(state.residual) if cfg.feedback else None
     comp_metrics = {}
     if cfg.compressor.metric_names:
@@ -372,6 +375,20 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     new_server = state.server_residual if server is None else res.server_residual
     return _Compressed(res.means, res.residuals if residuals is not None else [], new_server,
                        state.compressor_state, comp_metrics, res.finite)
+
+
+def _zero_bad(parts: list, ok: list) -> list:
+    """Each part, or zeros where its leaf is not finite on this replica. On CPU decided once
+    for the bucket under a conditional (a select inside the fusion that joins the bucket
+    is slow there); elsewhere a select that fuses into each reader (a conditional's
+    pass-through branch needs a buffer of its own: a copy of every leaf)."""
+    def select(ps, *oks):
+        return [jnp.where(o, p, 0.0) for p, o in zip(ps, oks)]
+
+    def decide(ps, *oks):
+        return lax.cond(jnp.all(jnp.stack(oks)), lambda qs: list(qs), lambda qs: select(qs, *oks), ps)
+
+    return lax.platform_dependent(parts, *ok, cpu=decide, default=select)
 
 
 def _with_residuals(parts, residuals, segments):

@@ -120,6 +120,57 @@ def test_fused_reads_follow_the_elements_each_output_needs():
     assert by["t"] == 1024 * 4 + 1024 * 4
 
 
+_IN_PLACE = """HloModule in_place, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%row_scatter (buf: f32[4096], got: u32[8,512]) -> f32[4096] {
+  %buf = f32[4096]{0} parameter(0)
+  %got = u32[8,512]{1,0} parameter(1)
+  %row = u32[1,512]{1,0} slice(%got), slice={[2:3], [0:512]}
+  %flat = u32[512]{0} bitcast(%row)
+  %pos = u32[256]{0} slice(%flat), slice={[256:512]}
+  %idx = s32[256,1]{1,0} bitcast(%pos)
+  %bits = u32[256]{0} slice(%flat), slice={[0:256]}
+  %val = f32[256]{0} bitcast-convert(%bits)
+  ROOT %out = f32[4096]{0} scatter(%buf, %idx, %val), update_window_dims={}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+%pick (x: f32[65536], i: s32[64,1]) -> f32[64] {
+  %x = f32[65536]{0} parameter(0)
+  %i = s32[64,1]{1,0} parameter(1)
+  ROOT %g = f32[64]{0} gather(%x, %i), offset_dims={}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1}
+}
+
+ENTRY %main (b: f32[4096], g: u32[8,512], x: f32[65536], i: s32[64,1], u: f32[16], k: s32[]) -> f32[4096] {
+  %b = f32[4096]{0} parameter(0)
+  %g = u32[8,512]{1,0} parameter(1)
+  %x = f32[65536]{0} parameter(2)
+  %i = s32[64,1]{1,0} parameter(3)
+  %u = f32[16]{0} parameter(4)
+  %k = s32[] parameter(5)
+  %picked = f32[64]{0} fusion(%x, %i), kind=kInput, calls=%pick
+  %d = f32[4096]{0} dynamic-update-slice(%b, %u, %k)
+  ROOT %s = f32[4096]{0} fusion(%d, %g), kind=kInput, calls=%row_scatter
+}
+"""
+
+
+def test_in_place_updates_and_gathers_charge_what_they_touch():
+    """A fused scatter-add of one replica's row of a gathered payload reads that row (not
+    the whole payload) and writes its updates, never the buffer it updates; an unfused
+    dynamic-update-slice writes its update (not its index); a gather reads one 32-byte
+    sector per element it picks."""
+    by = {name: b for b, _, name in hlo.traffic(hlo.parse(_IN_PLACE)).ops}
+    assert by["s"] == 512 * 4 + 256 * 4
+    assert by["d"] == 16 * 4 + 4 + 16 * 4
+    assert by["picked"] == 64 * 32 + 64 * 4 + 64 * 4
+
+
 def test_overlap_and_ideal_from_the_schedule():
     module = hlo.parse(_TEXT)
     target = aot.TARGETS["h100x8"]
