@@ -11,9 +11,11 @@ memory spaces (TPU VMEM and SMEM: ``S(1)``, ``S(2)``, ...) are on chip and count
 * views move nothing (``parameter``, ``constant``, ``get-tuple-element``, ``tuple``,
   ``bitcast``, buffer allocations);
 * a fusion operand counts only the elements some output of the fused computation needs
-  (a leaf cut from a joined bucket reads that leaf, not the bucket: ``_hlo_reads``);
+  (a leaf cut from a joined bucket reads that leaf, not the bucket; a gather one 32-byte
+  sector per element it picks: ``_hlo_reads``);
 * an in-place update (``dynamic-update-slice`` or ``scatter``, alone or as a fusion's
-  root) moves its updates (read and written) and indices, not the whole buffer;
+  root) reads its other operands (of a fusion's, the part it needs) and writes its
+  updates, not the whole buffer;
 * a slice (``slice``, ``dynamic-slice``, and the TPU's asynchronous ``slice-start`` into
   VMEM) reads its piece, not the array it is cut from;
 * asynchronous pairs count once: a ``*-start`` its operands, a ``*-done`` its result.
