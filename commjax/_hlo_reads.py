@@ -16,7 +16,7 @@ Demand is kept per instruction as one of
   row-major pieces;
 * a count of elements at unknown positions (``_Count``): after an operation that moves
   elements the analysis does not follow (a bitcast between tiled layouts, a dynamic
-  slice; a gather, which loads a 32-byte memory sector per element it reads).
+  slice; a gather, whose runs shorter than a 32-byte memory sector load the sector).
 
 Every other operation demands its operands whole. The result is an upper bound on the
 elements read, never below what the loop loads.
@@ -64,6 +64,13 @@ def _dims(shape: str) -> Optional[list]:
 def _element_bits(shape: str) -> int:
     m = re.match(r"\(?[a-z]+?(\d+)", shape)
     return int(m.group(1)) if m else 8
+
+
+def _minor_slice(attrs: str) -> int:
+    """A gather's slice size along the operand's last dimension (1 if not given)."""
+    m = re.search(r"slice_sizes=\{([\d,]*)\}", attrs)
+    sizes = [int(v) for v in m.group(1).split(",") if v] if m else []
+    return sizes[-1] if sizes else 1
 
 
 def _row_major(shape: str) -> bool:
@@ -198,9 +205,11 @@ def _operand_demands(ins, d: _Demand, shapes: dict) -> list:
     if ins.opcode == "dynamic-slice":
         return [_Count(_size(d, n_out))] + [None] * (len(op_dims) - 1)
     if ins.opcode == "gather":
-        # One operand element per output element, at positions the indices decide: each
-        # loads a whole 32-byte memory sector.
-        per_sector = max(1, 256 // _element_bits(op_shapes[0]))
+        # One operand element per output element, at positions the indices decide, in
+        # runs of the minor slice size: a run shorter than a 32-byte memory sector loads
+        # the whole sector.
+        run = _minor_slice(ins.attrs) * _element_bits(op_shapes[0])
+        per_sector = max(1, -(-256 // max(run, 1)))
         return [_Count(per_sector * _size(d, n_out))] + [None] * (len(op_dims) - 1)
     return [None] * len(op_dims)
 

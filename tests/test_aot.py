@@ -146,7 +146,13 @@ _IN_PLACE = """HloModule in_place, is_scheduled=true
   ROOT %g = f32[64]{0} gather(%x, %i), offset_dims={}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1}
 }
 
-ENTRY %main (b: f32[4096], g: u32[8,512], x: f32[65536], i: s32[64,1], u: f32[16], k: s32[]) -> f32[4096] {
+%rows (t: f32[4096,64], j: s32[8,1]) -> f32[8,64] {
+  %t = f32[4096,64]{1,0} parameter(0)
+  %j = s32[8,1]{1,0} parameter(1)
+  ROOT %r = f32[8,64]{1,0} gather(%t, %j), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}
+}
+
+ENTRY %main (b: f32[4096], g: u32[8,512], x: f32[65536], i: s32[64,1], u: f32[16], k: s32[], t: f32[4096,64], j: s32[8,1]) -> f32[4096] {
   %b = f32[4096]{0} parameter(0)
   %g = u32[8,512]{1,0} parameter(1)
   %x = f32[65536]{0} parameter(2)
@@ -154,6 +160,9 @@ ENTRY %main (b: f32[4096], g: u32[8,512], x: f32[65536], i: s32[64,1], u: f32[16
   %u = f32[16]{0} parameter(4)
   %k = s32[] parameter(5)
   %picked = f32[64]{0} fusion(%x, %i), kind=kInput, calls=%pick
+  %t = f32[4096,64]{1,0} parameter(6)
+  %j = s32[8,1]{1,0} parameter(7)
+  %looked_up = f32[8,64]{1,0} fusion(%t, %j), kind=kInput, calls=%rows
   %d = f32[4096]{0} dynamic-update-slice(%b, %u, %k)
   ROOT %s = f32[4096]{0} fusion(%d, %g), kind=kInput, calls=%row_scatter
 }
@@ -163,12 +172,13 @@ ENTRY %main (b: f32[4096], g: u32[8,512], x: f32[65536], i: s32[64,1], u: f32[16
 def test_in_place_updates_and_gathers_charge_what_they_touch():
     """A fused scatter-add of one replica's row of a gathered payload reads that row (not
     the whole payload) and writes its updates, never the buffer it updates; an unfused
-    dynamic-update-slice writes its update (not its index); a gather reads one 32-byte
-    sector per element it picks."""
+    dynamic-update-slice writes its update (not its index); a gather of single elements
+    reads one 32-byte sector per element it picks, a gather of whole rows the rows."""
     by = {name: b for b, _, name in hlo.traffic(hlo.parse(_IN_PLACE)).ops}
     assert by["s"] == 512 * 4 + 256 * 4
     assert by["d"] == 16 * 4 + 4 + 16 * 4
     assert by["picked"] == 64 * 32 + 64 * 4 + 64 * 4
+    assert by["looked_up"] == 8 * 64 * 4 + 8 * 4 + 8 * 64 * 4
 
 
 def test_overlap_and_ideal_from_the_schedule():
