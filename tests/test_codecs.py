@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import commjax as cj
+from commjax import packing
 from commjax.packing import pack_codes, packed_words, unpack_codes
 
 BLOCK_CODECS = {
@@ -74,6 +75,12 @@ def test_pack_layout_matches_the_lane_slice_formula(bits):
     got = np.asarray(pack_codes(jnp.asarray(codes), bits))
     np.testing.assert_array_equal(got, want.astype(np.uint32))
     np.testing.assert_array_equal(np.asarray(unpack_codes(jnp.asarray(got), bits, 80)), codes)
+    # The CPU and accelerator forms of the packing: the same words, the same codes back.
+    padded32 = jnp.asarray(padded.astype(np.uint32))
+    for pack in (packing._pack_sliced, packing._pack_stacked):
+        np.testing.assert_array_equal(np.asarray(pack(padded32, bits=bits, k=k)), got)
+    for unpack in (packing._unpack_sliced, packing._unpack_stacked):
+        np.testing.assert_array_equal(np.asarray(unpack(jnp.asarray(got), bits=bits))[:, :80], codes)
 
 
 @pytest.mark.parametrize("bits", [3, 6])
