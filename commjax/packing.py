@@ -7,10 +7,12 @@ packed as **lane slices**: a block of ``B`` codes is padded with zero codes to `
 
     words[..., w] = sum_j codes[..., j W + w] << (bits j)
 
-Each word is built from ``k`` contiguous slices of the block by shifts and ORs alone: no
-reduction across lanes and no intermediate with a small minor dimension, which a TPU pads
-to 128 lanes (bit planes of 32 lanes took 16x their bytes there). Sign bits: ``W = B / 32``
-words, bit ``j`` of word ``w`` is element ``j W + w``.
+On accelerators each word is built from ``k`` contiguous slices of the block by shifts and
+ORs alone: no reduction across lanes and no intermediate with a small minor dimension,
+which a TPU pads to 128 lanes (bit planes of 32 lanes took 16x their bytes there). On CPU
+the same words come from one reduction over the block viewed as ``[k, W]`` (and codes back
+from one broadcast shift), which XLA's CPU backend fuses where it writes every slice out.
+Sign bits: ``W = B / 32`` words, bit ``j`` of word ``w`` is element ``j W + w``.
 
 Other widths (3, 5, 6, 7 and 9 to 15 bits: QSGD's levels, lossless deltas) are packed as
 *bit planes*: ``bits`` planes of ``ceil(B / 32)`` words, bit ``j`` of word ``w`` of plane
