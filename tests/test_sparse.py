@@ -303,6 +303,32 @@ def _run(tx, mesh, grads, steps, check_vma=True):
 
 
 @pytest.mark.parametrize("codec", [top_k(0.05), top_k(0.05, values_dtype=jnp.bfloat16, chunk_size=64),
+                                   top_k(0.3, scope="model"), threshold(0.5, 40), threshold(0.5, 2000)],
+                         ids=["top_k", "top_k_bf16_chunked", "top_k_model", "threshold", "threshold_padded"])
+def test_encode_residual_is_y_minus_its_decode(codec):
+    """The in-place residual of a sparse codec (sent values subtracted at their positions)
+    is ``y - decode(encode(y))`` bit for bit, with the same payload: zeros of either sign,
+    huge and tiny magnitudes, bf16 rounding of the sent values, padding slots (a capacity
+    above the number of entries over ``tau``), a leaf smaller than a chunk."""
+    shapes = [(37, 11), (300,), (3,)]
+    segs, off = [], 0
+    for shp in shapes:
+        size = math.prod(shp)
+        segs.append(Segment(off, size, size, shp))
+        off += size
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal(off).astype(np.float32) * np.exp2(rng.integers(-60, 60, off)).astype(np.float32)
+    y[rng.integers(0, off, 30)] = -0.0
+    y[rng.integers(0, off, 30)] = 0.0
+    words, res = jax.jit(lambda v: codec.encode_residual(v, None, segs))(jnp.asarray(y))
+    words_ref, local = _encdec(codec, jnp.asarray(y), None, tuple(segs))
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(words_ref))
+    ref = np.asarray(jnp.asarray(y) - local)
+    np.testing.assert_array_equal(np.asarray(res).view(np.uint32), ref.view(np.uint32))
+    assert np.count_nonzero(ref != y) > 0  # something was sent and subtracted
+
+
+@pytest.mark.parametrize("codec", [top_k(0.05), top_k(0.05, values_dtype=jnp.bfloat16, chunk_size=64),
                                    threshold(0.5, 40)], ids=["top_k", "top_k_bf16_chunked", "threshold"])
 @pytest.mark.parametrize("divide", [1, 5])
 def test_decode_sum_is_the_dense_sum_bit_for_bit(codec, divide):

@@ -108,8 +108,7 @@ def _row_keys(key: Optional[jax.Array], n_rows: int) -> Optional[jax.Array]:
 
 def _encode_rows_feedback(codec: Compressor, y: jax.Array, key: Optional[jax.Array]):
     """A non-block codec's rows ``y = rows + residual``, already formed: ``(words, y - C(y))``."""
-    words, local = jax.vmap(lambda v, k: codec.encode_and_decode(v, k))(y, _row_keys(key, y.shape[0]))
-    return words, y - local
+    return jax.vmap(lambda v, k: codec.encode_residual(v, k))(y, _row_keys(key, y.shape[0]))
 
 
 def decode_rows(codec: Compressor, words: jax.Array, c: int) -> jax.Array:

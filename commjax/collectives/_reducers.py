@@ -231,10 +231,13 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
 def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual):
     """All-gather reducer of a codec whose selection spans leaves: the joined bucket."""
     x = _joined(parts, segments, residuals)
-    words, local = codec.encode_and_decode(x, key, segments)
+    if residuals is None:
+        words, out = codec.encode_and_decode(x, key, segments)
+    else:
+        words, out = codec.encode_residual(x, key, segments)
     got = _compat.all_gather_invariant(words, axis_name, tiled=False)
     mean = codec.decode_sum(got, x.shape[0], segments, divide=num_replicas)
-    outs = flat_bucket.cut(local if residuals is None else x - local, segments)
+    outs = flat_bucket.cut(out, segments)
     return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual))
 
 

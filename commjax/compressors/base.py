@@ -101,6 +101,15 @@ class Compressor:
         words = self.encode(x, key, segments)
         return words, self.decode(words, x.shape[0], segments)
 
+    def encode_residual(
+        self, y: jax.Array, key: Optional[jax.Array], segments: Optional[Sequence[Segment]] = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(encode(y), y - decode(encode(y)))``: the payload and the error that feedback
+        keeps. This default subtracts the local decode; sparse codecs instead subtract what
+        they sent in place, without a dense decoded copy of ``y``."""
+        words, local = self.encode_and_decode(y, key, segments)
+        return words, y - local
+
     # Flat buffers handed to encode() have a length that is a multiple of this.
     @property
     def alignment(self) -> int:

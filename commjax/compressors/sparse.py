@@ -177,6 +177,15 @@ class _SparseDecode:
     def decode(self, payload, n, segments=None):
         return _add_entries(jnp.zeros((n,), jnp.float32), *self.entries(payload, n, segments))
 
+    def encode_residual(self, y, key, segments=None):
+        """``(encode(y), y - decode(encode(y)))`` bit for bit, with the sent values
+        subtracted at their positions in ``y`` (a scatter that XLA performs in place):
+        ``k`` entries written instead of a dense decode of ``n`` values and a subtraction.
+        Padding slots carry zeros, and ``v + (-0) == v`` for every ``v``."""
+        words = self.encode(y, key, segments)
+        pos, val = self.entries(words, y.shape[0], segments)
+        return words, _add_entries(y, pos, -val)
+
     def decode_sum(self, payloads, n, segments=None, *, divide=1):
         """``sum_r decode(payloads[r], n) / divide`` in replica order, as the dense sum of
         [`Compressor.decode_sum`][commjax.compressors.base.Compressor.decode_sum] computes it, bit
