@@ -66,10 +66,11 @@ def encode(x: jax.Array):
     """``x[rows, 128]`` -> (words ``u32[rows/4, 128]``, scales ``f32[rows/2]``, decode)."""
     amax = jnp.max(jnp.abs(x), axis=1).reshape(-1, 2).max(axis=1)
     s = jnp.where(amax > 0, amax, 1.0) / 127.0
-    q = jnp.clip(jnp.round(x / jnp.repeat(s, 2)[:, None]), -127, 127)
+    per_row = jnp.repeat(s, 2)[:, None]
+    q = jnp.clip(jnp.round(x / per_row), -127, 127)
     u = (q.astype(jnp.int32) + 128).astype(jnp.uint32).reshape(-1, 4, 128)
     words = u[:, 0] | (u[:, 1] << 8) | (u[:, 2] << 16) | (u[:, 3] << 24)
-    return words, jnp.where(amax > 0, s, 0.0), q * jnp.repeat(s, 2)[:, None]
+    return words, jnp.where(amax > 0, s, 0.0), q * per_row
 
 
 def decode(words: jax.Array, s: jax.Array) -> jax.Array:
@@ -88,12 +89,12 @@ def probe_step(params: dict, res: dict, srv: dict, grads: dict, n: int, axis: st
     keys = sorted(res)
     xs = {k: to_rows(g[k]) + res[k] for k in keys}
     enc = {k: encode(xs[k]) for k in keys}
-    w = jnp.concatenate([enc[k][0].reshape(n, -1, 128) for k in keys], axis=1)
-    s = jnp.concatenate([enc[k][1].reshape(n, -1) for k in keys], axis=1)
-    w, s = jax.lax.all_to_all(w, axis, 0, 0), jax.lax.all_to_all(s, axis, 0, 0)
+    w_parts = [enc[k][0].reshape(n, -1, 128) for k in keys]  # one chunk per destination
+    s_parts = [enc[k][1].reshape(n, -1) for k in keys]
+    w = jax.lax.all_to_all(jnp.concatenate(w_parts, axis=1), axis, 0, 0)
+    s = jax.lax.all_to_all(jnp.concatenate(s_parts, axis=1), axis, 0, 0)
     again, new_srv = {}, {}
-    for k, (w0, w1), (s0, s1) in zip(keys, _cuts([enc[k][0].reshape(n, -1, 128) for k in keys], 1),
-                                      _cuts([enc[k][1].reshape(n, -1) for k in keys], 1)):
+    for k, (w0, w1), (s0, s1) in zip(keys, _cuts(w_parts, 1), _cuts(s_parts, 1)):
         mean = sum(decode(w[i, w0:w1], s[i, s0:s1]) for i in range(n)) / n + srv[k]
         w2, s2, dec = encode(mean)
         again[k], new_srv[k] = (w2, s2), mean - dec
