@@ -38,8 +38,8 @@ class EF21State(NamedTuple):
     Attributes:
       inner: the classic [`commjax.CompressedMeanState`][], whose ``residual`` holds
         ``-g_i``, this worker's negated gradient estimate (per replica).
-      estimate: ``G``, the mean of the workers' estimates: one flat float32 array per
-        compressed leaf (as ``inner.residual``), replicated.
+      estimate: ``G``, the mean of the workers' estimates: one float32 array per
+        compressed leaf, in its shape (as ``inner.residual``), replicated.
     """
 
     inner: Any
@@ -57,11 +57,11 @@ def _step(cfg: Any, inner_update: Callable, grads, state: EF21State, params):
     means = treedef.flatten_up_to(out)
     residual, estimate = list(inner.residual), list(state.estimate)
     for k, i in enumerate(comp_idx):
-        m = jnp.ravel(means[i]).astype(jnp.float32)
+        m = means[i].astype(jnp.float32)
         bad = jnp.logical_not(guards.all_finite(m))  # NaN on every replica for a flagged leaf
         new_g = estimate[k] + m
-        means[i] = new_g.reshape(jnp.shape(leaves[i])).astype(means[i].dtype)
-        new_r = inner.residual[k].astype(jnp.float32) - jnp.ravel(leaves[i]).astype(jnp.float32)
+        means[i] = new_g.astype(means[i].dtype)
+        new_r = inner.residual[k].astype(jnp.float32) - leaves[i].astype(jnp.float32)
         residual[k] = jnp.where(bad, state.inner.residual[k], new_r.astype(inner.residual[k].dtype))
         estimate[k] = jnp.where(bad, estimate[k], new_g)
     inner = inner._replace(residual=tuple(residual))

@@ -62,14 +62,19 @@ class CompressedMeanState(NamedTuple):
       key: uint32[2] raw PRNG key, replicated. Per-step and per-replica keys are folded
         from it (``fold_in(fold_in(key, count), axis_index)``), so it never needs to differ
         between replicas and is never split in the state.
-      residual: per-replica worker error-feedback residuals, a tuple with one flat array
-        (``float32`` or ``residual_dtype``) per compressed leaf, in the order of
-        ``communication_plan(...).segments``; ``()`` without error feedback and for a
-        lossless compressor (the identity), whose residual would always be zero. Kept per
-        leaf so that the step reads and writes each in place, never a joined copy.
+      residual: per-replica worker error-feedback residuals, a tuple with one array in
+        the leaf's shape (``float32`` or ``residual_dtype``) per compressed leaf, in the
+        order of ``communication_plan(...).segments``; ``()`` without error feedback and
+        for a lossless compressor (the identity), whose residual would always be zero.
+        Kept per leaf so that the step reads and writes each in place, never a joined
+        copy; in the leaf's shape so that it means the same on every backend (the
+        exchange reads leaves in memory order: [`commjax.bucket.ravel_leaf`][]).
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
         chunk of the bucket; ``()`` for other reducers (a zero-size array would make
-        orbax's standard handlers refuse the state).
+        orbax's standard handlers refuse the state). The bucket holds the leaves in the
+        backend's memory order, so this chunk is specific to the backend kind (TPU or
+        not) it was computed on: a state moved between them keeps working, with this
+        one residual's entries misplaced for one step.
       compressor_state: replicated state of a compressor with its own exchange (PowerSGD's
         Q factors); ``()`` otherwise.
       metrics: per-replica ``float32[1]`` values of the last step, computed locally with no
@@ -119,11 +124,13 @@ class ExchangeConfig:
 
 
 def _residual_shapes(cfg: ExchangeConfig, plan: MeanPlan) -> tuple[tuple[int, ...], ...]:
-    """Shape of each worker residual the state holds: one flat array per compressed leaf,
-    none without error feedback or for a lossless compressor."""
+    """Shape of each worker residual the state holds: one array per compressed leaf, in
+    the leaf's shape (the same meaning on every backend, whatever order the exchange
+    reads it in: ``_flat_order``); none without error feedback or for a lossless
+    compressor."""
     if not cfg.feedback:
         return ()
-    return tuple((s.size,) for s in plan.segments)
+    return tuple(tuple(s.shape) for s in plan.segments)
 
 
 def _num_replicas_now(cfg: ExchangeConfig) -> int:
@@ -315,6 +322,15 @@ def _from_real_parts(means: list, leaf):
     return means[0].reshape(leaf.shape).astype(leaf.dtype)
 
 
+def _flat_order(cfg: ExchangeConfig) -> tuple:
+    """``(ravel, unravel)`` between a compressed leaf and its flat part: the order its bytes
+    lie in memory ([`commjax.bucket.ravel_leaf`][]), except for exchanges (PowerSGD),
+    which factor the part as the leaf's matrix and so need it row-major."""
+    if exchange_for(cfg.compressor) is not None:
+        return jnp.ravel, lambda v, shape: v.reshape(shape)
+    return flat_bucket.ravel_leaf, flat_bucket.unravel_leaf
+
+
 def _direct(cfg: ExchangeConfig, plan: MeanPlan) -> bool:
     return cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
 
@@ -335,7 +351,8 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     states as computed: a non-finite step's are discarded by ``_update``."""
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
     segs = plan.segments
-    parts = [jnp.pad(jnp.ravel(leaves[i]).astype(jnp.float32), (0, s.padded_size - s.size))
+    ravel, unravel = _flat_order(cfg)
+    parts = [jnp.pad(ravel(leaves[i].astype(jnp.float32)), (0, s.padded_size - s.size))
              for i, s in zip(comp_idx, segs)]
     zero_bad = plan.finite_flags and not cfg.compressor.leaf_local
     ok = list(exact.local_ok)
@@ -351,7 +368,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     if zero_bad:
         # A non-finite leaf would spoil the others' encoding: it contributes zeros.
         parts = _zero_bad(parts, ok)
-    residuals = list(state.residual) if cfg.feedback else None
+    residuals = [ravel(r.astype(jnp.float32)) for r in state.residual] if cfg.feedback else None
     comp_metrics = {}
     if cfg.compressor.metric_names:
         comp_metrics = cfg.compressor.local_metrics(_with_residuals(parts, residuals, segs), segs)
@@ -373,8 +390,8 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         server_residual=server, server_error_feedback=cfg.server_error_feedback,
         shared_key=keys[0])
     new_server = state.server_residual if server is None else res.server_residual
-    return _Compressed(res.means, res.residuals if residuals is not None else [], new_server,
-                       state.compressor_state, comp_metrics, res.finite)
+    new_res = [] if residuals is None else list(res.residuals)
+    return _Compressed(res.means, new_res, new_server, state.compressor_state, comp_metrics, res.finite)
 
 
 def _zero_bad(parts: list, ok: list) -> list:
@@ -437,6 +454,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     for i, v in exact.out.items():
         out[i] = v
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
+    # Exact means come in the leaves' shapes, compressed ones in the parts' order.
+    unravel = _flat_order(cfg)[1] if comp is not None else (lambda v, shape: v.reshape(shape))
     for k, (i, seg) in enumerate(zip(comp_idx, plan.segments)):
         m = means[k]
         if cfg.check_finite:
@@ -444,17 +463,19 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
             # `p - lr * m` changes whether the compiler contracts them into a multiply-add,
             # differently for differently fused (kernel / reference) decodes.
             m = m + jnp.where(bad[k], jnp.nan, 0.0)
-        out[i] = m.reshape(seg.shape).astype(leaves[i].dtype)
+        out[i] = unravel(m, seg.shape).astype(leaves[i].dtype)
     new_residual = state.residual
     if comp is not None and comp.residuals:
-        new_residual = tuple(
-            (jnp.where(bad[k], state.residual[k], e) if cfg.check_finite else e).astype(cfg.residual_dtype)
-            for k, e in enumerate(comp.residuals))
+        ravel, unravel = _flat_order(cfg)
+        new_residual = tuple(unravel(
+            (jnp.where(bad[k], ravel(state.residual[k]), e) if cfg.check_finite else e).astype(cfg.residual_dtype),
+            seg.shape) for k, (e, seg) in enumerate(zip(comp.residuals, plan.segments)))
     return out, new_residual
 
 
 def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics, last_norm) -> dict:
-    norm = guards.l2_norm_near(residual, last_norm)
+    # Read in the parts' order: a row-major ravel would transpose each residual on TPU.
+    norm = guards.l2_norm_near([_flat_order(cfg)[0](r) for r in residual], last_norm)
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
