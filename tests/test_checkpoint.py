@@ -106,7 +106,7 @@ def test_restore_puts_each_replica_residual_on_its_own_device(tmp_path, mesh):
     cms = state[0]
     # Give every replica a different residual.
     assert len(cms.residual) >= 1
-    residual = tuple(jax.device_put(jnp.arange(r.size, dtype=jnp.float32) + 1000 * k,
+    residual = tuple(jax.device_put(jnp.arange(r.size, dtype=jnp.float32).reshape(r.shape) + 1000 * k,
                                     NamedSharding(mesh, P("data")))
                      for k, r in enumerate(cms.residual))
     state = (cms._replace(residual=residual, count=cms.count + 5),) + tuple(state[1:])
