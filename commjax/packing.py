@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["sliced", "words_per_plane", "packed_words", "pack_codes", "unpack_codes"]
+__all__ = ["sliced", "words_per_plane", "packed_words", "pack_codes", "unpack_codes", "pack_lane_rows",
+           "unpack_lane_rows"]
 
 _SHIFTS = np.arange(32, dtype=np.uint32)
 
@@ -77,6 +78,47 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
     # that array's minor W to 128 lanes, so accelerators OR the slices.
     return lax.platform_dependent(codes, cpu=functools.partial(_pack_stacked, bits=bits, k=k),
                                   default=functools.partial(_pack_sliced, bits=bits, k=k))
+
+
+def pack_lane_rows(codes: jax.Array, bits: int, block_size: int) -> jax.Array:
+    """``pack_codes`` of blocks of ``block_size`` (a multiple of 128) given as lane rows
+    ``uint32[n / 128, 128]`` (each block ``block_size / 128`` consecutive rows):
+    ``uint32[n / block_size, packed_words]``, the same words. Slice ``j`` of a block
+    (codes ``j W .. j W + W - 1``) is whole rows when ``W >= 128``, else part of one row."""
+    k, m = 32 // bits, block_size // 128
+    w = block_size // k
+    c3 = codes.astype(jnp.uint32).reshape(-1, m, 128) & jnp.uint32((1 << bits) - 1)
+    out = None
+    for j in range(k):
+        p = j * w
+        piece = (c3[:, p // 128:(p + w) // 128, :].reshape(-1, w) if w >= 128
+                 else c3[:, p // 128, p % 128:p % 128 + w])
+        piece = piece << jnp.uint32(bits * j) if j else piece
+        out = piece if out is None else out | piece
+    return out
+
+
+def unpack_lane_rows(words: jax.Array, bits: int, block_size: int) -> jax.Array:
+    """The inverse of [`pack_lane_rows`][commjax.packing.pack_lane_rows]:
+    ``uint32[nb, packed_words] -> uint32[nb * block_size / 128, 128]``, each block's codes
+    as its ``block_size / 128`` lane rows.
+
+    Code ``p = 128 t + l`` of a block (row ``t``, lane ``l``) is bits ``[b j, b j + b)``
+    of word ``p mod W`` with ``j = p div W``: every row is a lane-tiled copy of the
+    block's words (or of ``128`` of them) shifted per lane, one broadcast and shift
+    (interleaving the ``k`` unpacked slices into rows was a relayout on TPU)."""
+    k, m = 32 // bits, block_size // 128
+    w, nb = block_size // k, words.shape[0]
+    t = np.arange(m)[:, None]
+    lane = np.arange(128)[None, :]
+    pos = 128 * t + lane  # [m, 128]: each lane row's codes' positions in the block
+    shifts = jnp.asarray((bits * (pos // w)).astype(np.uint32))
+    if w >= 128:
+        src = words.reshape(nb, w // 128, 128)[:, (pos[:, 0] % w) // 128, :]  # [nb, m, 128]
+    else:
+        src = jnp.tile(words, (1, 128 // w))[:, None, :]  # lane l holds word l mod W
+    codes = (src >> shifts[None]) & jnp.uint32((1 << bits) - 1)
+    return codes.reshape(-1, 128)
 
 
 def _pack_sliced(codes: jax.Array, *, bits: int, k: int) -> jax.Array:

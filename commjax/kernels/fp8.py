@@ -37,7 +37,8 @@ from jax import lax
 
 from commjax.kernels._dispatch import dispatch, fence, pow2, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
-from commjax.kernels.reference import feedback_sum, row_constants
+from commjax.kernels.reference import feedback_sum, lane_absmax_constants, row_constants
+from commjax.packing import pack_lane_rows, unpack_lane_rows
 
 __all__ = ["FP8_FORMATS", "Fp8Format", "fp8_blocks", "fp8_reference", "fp8_decode"]
 
@@ -64,6 +65,19 @@ def fp8_tile(x, u, e, c, step, scale_word, *, fmt: Fp8Format, output: Optional[s
     ``step``, ``scale_word`` are the tile's ``[T, 1]`` per-row constants."""
     if e is not None:
         x = x + e.astype(jnp.float32)
+    code, value = _fp8_codes(x, u, c, fmt)
+    quarter = x.shape[1] // 4
+    words = (code[:, :quarter] | code[:, quarter:2 * quarter] << 8
+             | code[:, 2 * quarter:3 * quarter] << 16 | code[:, 3 * quarter:] << 24)
+    row = jnp.concatenate([words, scale_word], axis=1)
+    if output is None:
+        return row, None
+    decoded = fence(value * step, step)
+    return row, decoded if output == "decoded" else x - decoded
+
+
+def _fp8_codes(x, u, c, fmt: Fp8Format):
+    """Each element's 8-bit code and its value ``+-n 2**(k - mant)`` (before the step)."""
     q = fence(x * c, c)
     a = jnp.minimum(jnp.abs(q), fmt.fmax)
     bits = lax.bitcast_convert_type(a, jnp.uint32)
@@ -72,16 +86,29 @@ def fp8_tile(x, u, e, c, step, scale_word, *, fmt: Fp8Format, output: Optional[s
     n = jnp.round(t) if u is None else jnp.floor(t + u)
     neg = (lax.bitcast_convert_type(q, jnp.uint32) >> 31) << 7
     code = neg | (((k - fmt.emin) << fmt.mant_bits) + n.astype(jnp.int32)).astype(jnp.uint32)
-    quarter = x.shape[1] // 4
-    words = (code[:, :quarter] | code[:, quarter:2 * quarter] << 8
-             | code[:, 2 * quarter:3 * quarter] << 16 | code[:, 3 * quarter:] << 24)
-    row = jnp.concatenate([words, scale_word], axis=1)
-    if output is None:
-        return row, None
     value = lax.bitcast_convert_type(
         lax.bitcast_convert_type(n * pow2(k - fmt.mant_bits), jnp.uint32) | (neg << 24), jnp.float32)
+    return code, value
+
+
+def fp8_lane_rows(x, uniforms, residual, *, fmt: str, output: Optional[str]):
+    """``fp8_reference`` computed on ``[n / 128, 128]`` lane rows (``B % 128 == 0``): the
+    same words, scales and output, bit for bit (the TPU's own layout of the flat vector)."""
+    f = FP8_FORMATS[fmt]
+    nb, b = x.shape
+    y = feedback_sum(x, residual).reshape(-1, 128)
+    scale, c, step = lane_absmax_constants(y, nb, levels=int(f.fmax))
+    m = b // 128
+    u = None if uniforms is None else uniforms.reshape(-1, 128)
+    c = jnp.repeat(c, m)[:, None]
+    code, value = _fp8_codes(y, u, c, f)
+    words = pack_lane_rows(code, 8, b)
+    row = jnp.concatenate([words, lax.bitcast_convert_type(scale, jnp.uint32)[:, None]], axis=1)
+    if output is None:
+        return row, None
+    step = jnp.repeat(step, m)[:, None]
     decoded = fence(value * step, step)
-    return row, decoded if output == "decoded" else x - decoded
+    return row, (decoded if output == "decoded" else y - decoded).reshape(nb, b)
 
 
 def _constants(x, residual, fmt: Fp8Format):
@@ -92,7 +119,25 @@ def _constants(x, residual, fmt: Fp8Format):
 
 
 def fp8_reference(x, uniforms, residual, *, fmt: str, output: Optional[str]):
-    """Scaled FP8 rows of ``x`` (maths in the module docstring): ``(rows, out | None)``."""
+    """Scaled FP8 rows of ``x`` (maths in the module docstring): ``(rows, out | None)``;
+    on TPU as lane rows (``fp8_lane_rows``) where blocks are whole 128-lane rows."""
+    if x.shape[1] % 128 or x.shape[0] == 0:
+        return fp8_block_rows(x, uniforms, residual, fmt=fmt, output=output)
+    ops = [a for a in (uniforms, residual) if a is not None]
+
+    def run(fn):
+        def call(x, *rest):
+            it = iter(rest)
+            u = next(it) if uniforms is not None else None
+            e = next(it) if residual is not None else None
+            return fn(x, u, e, fmt=fmt, output=output)
+        return call
+
+    return lax.platform_dependent(x, *ops, tpu=run(fp8_lane_rows), default=run(fp8_block_rows))
+
+
+def fp8_block_rows(x, uniforms, residual, *, fmt: str, output: Optional[str]):
+    """``fp8_reference`` on ``[nb, B]`` block rows."""
     f = FP8_FORMATS[fmt]
     y = feedback_sum(x, residual)  # one reshape per consumer: see feedback_sum
     c, step, scale_word = _constants(y.reshape(x.shape), None, f)
@@ -160,6 +205,23 @@ def fp8_decode(rows: jax.Array, *, fmt: str) -> jax.Array:
     """``uint32[nb, B/4 + 1] -> float32[nb, B]``: ``fence(fp8(code) * (s / F))``, the
     same step and product as the encoder's decoded output."""
     f = FP8_FORMATS[fmt]
+    words = rows[:, :-1]
+    b = 4 * words.shape[1]
+    if b % 128 == 0 and rows.shape[0]:
+        return lax.platform_dependent(rows, tpu=lambda r: _decode_lanes(r, f), default=lambda r: _decode(r, f))
+    return _decode(rows, f)
+
+
+def _decode_lanes(rows: jax.Array, f: Fp8Format) -> jax.Array:
+    """``fp8_decode`` through ``[n / 128, 128]`` lane rows (on TPU): the same values."""
+    nb, b = rows.shape[0], 4 * (rows.shape[1] - 1)
+    codes = unpack_lane_rows(rows[:, :-1], 8, b)
+    value = lax.bitcast_convert_type(codes.astype(jnp.uint8), f.dtype).astype(jnp.float32)
+    step = jnp.repeat(lax.bitcast_convert_type(rows[:, -1], jnp.float32) / f.fmax, b // 128)[:, None]
+    return fence(value * step, step).reshape(nb, b)
+
+
+def _decode(rows: jax.Array, f: Fp8Format) -> jax.Array:
     words = rows[:, :-1]
     codes = jnp.concatenate([(words >> (8 * j)) & 0xFF for j in range(4)], axis=1)
     value = lax.bitcast_convert_type(codes.astype(jnp.uint8), f.dtype).astype(jnp.float32)

@@ -138,7 +138,11 @@ def row_constants(x: jax.Array, residual: Optional[jax.Array], *, levels: float)
     The quotients are XLA's; kernels take them as inputs (one extra read of ``x`` and
     ``e``) rather than dividing themselves.
     """
-    scale = row_absmax(feedback_sum(x, residual).reshape(x.shape))
+    return absmax_constants(row_absmax(feedback_sum(x, residual).reshape(x.shape)), levels=levels)
+
+
+def absmax_constants(scale: jax.Array, *, levels: float):
+    """``row_constants`` from each row's ``max |y|`` (NaN for a NaN row)."""
     scale = jnp.where(jnp.isinf(scale), jnp.nan, scale)
     floor = levels * TINY
     scale = jnp.where((scale > 0) & (scale < floor), floor, scale)
@@ -156,7 +160,63 @@ def quantize_reference(
     output: Optional[str],
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """Blockwise absmax quantization of the rows of ``x`` (maths in
-    ``commjax.kernels.quantize``): ``(rows, decoded | residual | None)``."""
+    ``commjax.kernels.quantize``): ``(rows, decoded | residual | None)``.
+
+    On TPU, blocks of whole 128-lane rows are computed on the flat vector seen as
+    ``[n / 128, 128]`` (``quantize_lane_rows``, the same bits): that view is the
+    vector's own memory layout there, while ``[nb, B]`` is a relayout of every input
+    and output (the v5e int8 mean of a 21M-parameter MLP: ``benchmarks/aot.py``)."""
+    if x.shape[1] % 128 or not packing.sliced(bits) or x.shape[0] == 0:
+        return quantize_block_rows(x, uniforms, residual, bits=bits, levels=levels, output=output)
+    ops = [a for a in (uniforms, residual) if a is not None]
+
+    def call(fn):
+        def run(x, *rest):
+            it = iter(rest)
+            u = next(it) if uniforms is not None else None
+            e = next(it) if residual is not None else None
+            return fn(x, u, e, bits=bits, levels=levels, output=output)
+        return run
+
+    return lax.platform_dependent(x, *ops, tpu=call(quantize_lane_rows), default=call(quantize_block_rows))
+
+
+def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str]):
+    """``quantize_block_rows`` computed on ``[n / 128, 128]`` lane rows (``B % 128 == 0``,
+    ``bits`` dividing 32): the same words, scales and output, bit for bit."""
+    nb, b = x.shape
+    m = b // 128
+    y = feedback_sum(x, residual).reshape(-1, 128)
+    scale, c, step = lane_absmax_constants(y, nb, levels=levels)
+    pre = row_prescale(scale, levels)
+    c = jnp.repeat(c, m)[:, None]
+    yp = y if pre is None else fence(y * jnp.repeat(pre, m)[:, None], c)
+    q = fence(yp * c, c)
+    u = None if uniforms is None else uniforms.reshape(-1, 128)
+    r = jnp.floor(q + u) if u is not None else jnp.round(q)
+    codes = (jnp.clip(r, -levels, levels) + levels).astype(jnp.uint32)
+    if uniforms is not None and output is not None:
+        codes = lax.optimization_barrier(codes.astype(jnp.uint8)).astype(jnp.uint32)
+    words = packing.pack_lane_rows(codes, bits, b)
+    rows = jnp.concatenate([words, lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)[:, None]], axis=1)
+    if output is None:
+        return rows, None
+    step = jnp.repeat(step, m)[:, None]
+    decoded = fence((codes.astype(jnp.int32) - levels).astype(jnp.float32) * step, step)
+    out = decoded if output == "decoded" else y - decoded
+    return rows, out.reshape(nb, b)
+
+
+def lane_absmax_constants(lanes: jax.Array, nb: int, *, levels: float):
+    """``row_constants`` of ``nb`` blocks given as their lane rows ``[n / 128, 128]``: the
+    max of the rows' maxima (on the bit patterns, as ``row_absmax``: exact, NaN wins)."""
+    bits = lax.bitcast_convert_type(lanes, jnp.int32) & 0x7FFFFFFF
+    top = jnp.max(jnp.max(bits, axis=1).reshape(nb, -1), axis=1)
+    return absmax_constants(lax.bitcast_convert_type(top, jnp.float32), levels=levels)
+
+
+def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str]):
+    """``quantize_reference`` on ``[nb, B]`` block rows."""
     y = feedback_sum(x, residual)
     scale, c, step = row_constants(y.reshape(x.shape), None, levels=levels)
     x = y.reshape(x.shape)
@@ -194,11 +254,27 @@ def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
     (scaling by a power of two commutes with rounding), down to subnormal terms.
     """
     y, shape = feedback_sum(x, residual), x.shape
+    if shape[1] % 128 or shape[0] == 0:
+        return _block_mean_abs(y, shape)
+    # On TPU summed over 128-lane rows, then over each block's rows: the flat vector's own
+    # layout there (kernels and reference take these same scales).
+    return lax.platform_dependent(y, tpu=lambda v: _block_mean_abs(v, (-1, 128), shape),
+                                  default=lambda v: _block_mean_abs(v, shape))
+
+
+def _block_mean_abs(y: jax.Array, view: tuple, shape: Optional[tuple] = None) -> jax.Array:
+    """``row_scales`` of the flat ``y``, each block summed in the ``view`` of it (a block
+    row, or its lane rows then those rows' sums)."""
+    shape = view if shape is None else shape
     inv = 1.0 / shape[1]
-    total = jnp.sum(jnp.abs(y.reshape(shape)), axis=1)
+
+    def total_of(v, scale=1.0):
+        t = jnp.sum(jnp.abs(v.reshape(view)) * scale if scale != 1.0 else jnp.abs(v.reshape(view)), axis=1)
+        return t if view == shape else jnp.sum(t.reshape(shape[0], -1), axis=1)
+
+    total = total_of(y)
     # The flat sum is the conditional's operand (see feedback_sum).
-    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: jnp.sum(jnp.abs(v.reshape(shape)) * inv, axis=1),
-                     lambda v: total * inv, y)
+    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: total_of(v, inv), lambda v: total * inv, y)
     return scale[:, None]
 
 
@@ -207,7 +283,34 @@ def sign_reference(
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """Scaled sign of the rows of ``x`` (maths in ``commjax.kernels.sign``).
 
-    ``(2 b - 1) * s`` is ``+-s`` exactly, so the decoded value needs no fence."""
+    ``(2 b - 1) * s`` is ``+-s`` exactly, so the decoded value needs no fence. On TPU,
+    blocks of whole lane rows are computed as ``[n / 128, 128]`` (``sign_lane_rows``)."""
+    if x.shape[1] % 128 or x.shape[0] == 0:
+        return sign_block_rows(x, residual, output=output)
+    ops = [x] if residual is None else [x, residual]
+    run = lambda fn: lambda x, *e: fn(x, e[0] if e else None, output=output)  # noqa: E731
+    return lax.platform_dependent(*ops, tpu=run(sign_lane_rows), default=run(sign_block_rows))
+
+
+def sign_lane_rows(x: jax.Array, residual: Optional[jax.Array], *, output: Optional[str]):
+    """``sign_block_rows`` computed on ``[n / 128, 128]`` lane rows: the same words and
+    output for the same scales."""
+    nb, b = x.shape
+    y = feedback_sum(x, residual)
+    scale = row_scales(y.reshape(x.shape), None)
+    lanes = y.reshape(-1, 128)
+    bits = (lanes >= 0).astype(jnp.uint32)
+    words = packing.pack_lane_rows(bits, 1, b)
+    rows = jnp.concatenate([words, lax.bitcast_convert_type(scale, jnp.uint32)], axis=1)
+    if output is None:
+        return rows, None
+    decoded = (bits.astype(jnp.float32) * 2.0 - 1.0) * jnp.repeat(scale, b // 128, axis=0)
+    out = decoded if output == "decoded" else lanes - decoded
+    return rows, out.reshape(nb, b)
+
+
+def sign_block_rows(x: jax.Array, residual: Optional[jax.Array], *, output: Optional[str]):
+    """``sign_reference`` on ``[nb, B]`` block rows."""
     y = feedback_sum(x, residual)
     scale = row_scales(y.reshape(x.shape), None)
     x = y.reshape(x.shape)
@@ -239,7 +342,36 @@ def levels_of(codes: jax.Array, *, offset: int, step: int) -> jax.Array:
 
 def decode_reference(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
                      divisor: Optional[int]) -> jax.Array:
-    """``uint32[nb, R] -> float32[nb, B]``: ``fence(l * (s / divisor))`` per element."""
+    """``uint32[nb, R] -> float32[nb, B]``: ``fence(l * (s / divisor))`` per element.
+
+    On TPU, blocks of whole 128-lane rows are decoded into ``[n / 128, 128]`` lane rows
+    (``decode_lane_rows``, the same bits), the flat vector's own layout there."""
+    opts = dict(bits=bits, block_size=block_size, offset=offset, step=step, divisor=divisor)
+    if block_size % 128 or not packing.sliced(bits) or rows.shape[0] == 0:
+        return decode_block_rows(rows, **opts)
+    return lax.platform_dependent(rows, tpu=lambda r: decode_lane_rows(r, **opts),
+                                  default=lambda r: decode_block_rows(r, **opts))
+
+
+def decode_lane_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
+                     divisor: Optional[int]) -> jax.Array:
+    """``decode_block_rows`` through ``[n / 128, 128]`` lane rows: the same values."""
+    values = _decode_lanes(rows, bits=bits, block_size=block_size, offset=offset, step=step,
+                           divisor=divisor)
+    return values.reshape(rows.shape[0], block_size)
+
+
+def _decode_lanes(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
+                  divisor: Optional[int]) -> jax.Array:
+    """``decode_lane_rows`` as ``float32[nb * B / 128, 128]``."""
+    codes = packing.unpack_lane_rows(rows[:, :-1], bits, block_size)  # [nb * m, 128]
+    q = jnp.repeat(row_steps(rows, divisor), block_size // 128, axis=0)
+    return fence(levels_of(codes, offset=offset, step=step) * q, q)
+
+
+def decode_block_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
+                      divisor: Optional[int]) -> jax.Array:
+    """``decode_reference`` on ``[nb, B]`` block rows."""
     codes = packing.unpack_codes(rows[:, :-1], bits, block_size)
     q = row_steps(rows, divisor)
     return fence(levels_of(codes, offset=offset, step=step) * q, q)

@@ -1,0 +1,101 @@
+"""The TPU forms of the block codecs' references (blocks computed as [n/128, 128] lane
+rows, chosen by lax.platform_dependent on TPU) against the block-row forms every other
+backend runs: the same wire words and outputs, bit for bit, here called directly on CPU.
+The one exception is fp8's code words of a block whose scale is NaN (such a block decodes
+to NaN whatever its codes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from commjax import packing
+from commjax.kernels import fp8 as F
+from commjax.kernels import reference as R
+
+#: Row magnitudes across the float range: normal, tiny, zero, near overflow, subnormal,
+#: and a row with an infinity (its scale is NaN).
+MAGS = jnp.array([1.0, 1e-30, 0.0, 3e37, 1e-40, 5.0])
+
+
+def _inputs(block: int, seed: int = 0, inf: bool = True):
+    x = jax.random.normal(jax.random.PRNGKey(seed), (6, block)) * MAGS[:, None]
+    if inf:
+        x = x.at[5, 7].set(jnp.inf)
+    e = jax.random.normal(jax.random.PRNGKey(seed + 1), (6, block)) * 0.01
+    u = jax.random.uniform(jax.random.PRNGKey(seed + 2), (6, block))
+    return x, e, u
+
+
+def _same(a, b):
+    for p, q in zip(a, b):
+        assert (p is None) == (q is None)
+        if p is not None:
+            np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block", [128, 256, 512, 2048])
+def test_lane_row_packing_is_pack_codes(bits, block):
+    codes = jax.random.randint(jax.random.PRNGKey(bits), (5, block), 0, 1 << bits).astype(jnp.uint32)
+    words = packing.pack_lane_rows(codes.reshape(-1, 128), bits, block)
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(packing.pack_codes(codes, bits)))
+    back = packing.unpack_lane_rows(words, bits, block)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(codes).reshape(-1, 128))
+
+
+@pytest.mark.parametrize("bits,levels", [(8, 127), (4, 7), (2, 1)])
+@pytest.mark.parametrize("block", [128, 256, 1024])
+@pytest.mark.parametrize("output", [None, "decoded", "residual"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_lane_rows(bits, levels, block, output, stochastic):
+    x, e, u = _inputs(block, bits)
+    u = u if stochastic else None
+    kw = dict(bits=bits, levels=levels, output=output)
+    _same(R.quantize_block_rows(x, u, e, **kw), R.quantize_lane_rows(x, u, e, **kw))
+
+
+@pytest.mark.parametrize("bits,offset,step,divisor", [(8, 127, 1, 127), (4, 7, 1, 7), (2, 1, 1, None),
+                                                     (1, 1, 2, None)])
+@pytest.mark.parametrize("block", [128, 256, 1024])
+def test_decode_lane_rows(bits, offset, step, divisor, block):
+    rows = jax.random.bits(jax.random.PRNGKey(block), (6, block * bits // 32 + 1), jnp.uint32)
+    scales = jnp.array([1.0, 3e38, 1e-39, jnp.nan, 0.5, 0.0], jnp.float32)
+    rows = rows.at[:, -1].set(jax.lax.bitcast_convert_type(scales, jnp.uint32))
+    kw = dict(bits=bits, block_size=block, offset=offset, step=step, divisor=divisor)
+    _same([R.decode_block_rows(rows, **kw)], [R.decode_lane_rows(rows, **kw)])
+
+
+@pytest.mark.parametrize("block", [128, 256, 1024])
+@pytest.mark.parametrize("output", [None, "decoded", "residual"])
+def test_sign_lane_rows(block, output):
+    x, e, _ = _inputs(block, 3, inf=False)
+    _same(R.sign_block_rows(x, e, output=output), R.sign_lane_rows(x, e, output=output))
+
+
+@pytest.mark.parametrize("block", [128, 256])
+def test_sign_scales_summed_by_lane_rows_match_to_rounding(block):
+    x, e, _ = _inputs(block, 4, inf=False)
+    x = x.at[3].set(3e38)  # a block whose sum overflows: the conditional divides first
+    y = (x + e).reshape(-1)
+    by_block = R._block_mean_abs(y, (6, block))
+    by_lanes = R._block_mean_abs(y, (-1, 128), (6, block))
+    np.testing.assert_allclose(np.asarray(by_lanes), np.asarray(by_block), rtol=2e-6)
+    assert np.all(np.isfinite(np.asarray(by_lanes)))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", [128, 512])
+@pytest.mark.parametrize("output", [None, "decoded", "residual"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fp8_lane_rows(fmt, block, output, stochastic):
+    x, e, u = _inputs(block, 5)
+    u = u if stochastic else None
+    a = F.fp8_block_rows(x, u, e, fmt=fmt, output=output)
+    b = F.fp8_lane_rows(x, u, e, fmt=fmt, output=output)
+    finite = np.isfinite(np.asarray(jax.lax.bitcast_convert_type(a[0][:, -1], jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(a[0])[finite], np.asarray(b[0])[finite])
+    np.testing.assert_array_equal(np.asarray(a[0])[:, -1], np.asarray(b[0])[:, -1])
+    _same(a[1:], b[1:])
+    f = F.FP8_FORMATS[fmt]
+    _same([F._decode(a[0], f)], [F._decode_lanes(a[0], f)])
