@@ -82,7 +82,7 @@ def ravel_tiles(a: jax.Array) -> jax.Array:
 
 
 def unravel_tiles(v: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """The inverse of [`ravel_tiles`][commjax.bucket.ravel_tiles]."""
+    """The inverse of ``ravel_tiles``."""
     shape = tuple(shape)
     if not _tiled(shape):
         return v.reshape(shape)
@@ -92,7 +92,7 @@ def unravel_tiles(v: jax.Array, shape: Sequence[int]) -> jax.Array:
 
 def ravel_leaf(a: jax.Array) -> jax.Array:
     """A gradient leaf as the flat part the codecs encode, in the order its bytes lie in
-    memory: on TPU the tile order of [`ravel_tiles`][commjax.bucket.ravel_tiles], a
+    memory: on TPU the tile order of ``ravel_tiles``, a
     bitcast there; row-major elsewhere.
 
     Why: a TPU stores a 2-D ``f32[R, C]`` in ``(8, 128)`` tiles and a flat vector in runs
@@ -108,7 +108,7 @@ def ravel_leaf(a: jax.Array) -> jax.Array:
 
 
 def unravel_leaf(v: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """The inverse of [`ravel_leaf`][commjax.bucket.ravel_leaf]: ``v`` in ``shape``."""
+    """The inverse of ``ravel_leaf``: ``v`` in ``shape``."""
     shape = tuple(shape)
     return lax.platform_dependent(v, tpu=lambda u: unravel_tiles(u, shape),
                                   default=lambda u: u.reshape(shape))

@@ -68,7 +68,7 @@ class CompressedMeanState(NamedTuple):
         for a lossless compressor (the identity), whose residual would always be zero.
         Kept per leaf so that the step reads and writes each in place, never a joined
         copy; in the leaf's shape so that it means the same on every backend (the
-        exchange reads leaves in memory order: [`commjax.bucket.ravel_leaf`][]), except
+        exchange reads leaves in memory order: ``commjax.bucket.ravel_leaf``), except
         for compressors with their own exchange (PowerSGD), whose residuals are the
         flat row-major parts they factor.
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
@@ -327,7 +327,7 @@ def _from_real_parts(means: list, leaf):
 
 def _flat_order(cfg: ExchangeConfig) -> tuple:
     """``(ravel, unravel)`` between a compressed leaf and its flat part: the order its bytes
-    lie in memory ([`commjax.bucket.ravel_leaf`][]), except for exchanges (PowerSGD),
+    lie in memory (``commjax.bucket.ravel_leaf``), except for exchanges (PowerSGD),
     which factor the part as the leaf's matrix and so need it row-major."""
     if exchange_for(cfg.compressor) is not None:
         return jnp.ravel, lambda v, shape: v.reshape(shape)
