@@ -37,7 +37,7 @@ from jax import lax
 
 from commjax.kernels._dispatch import dispatch, fence, pow2, resolve_impl
 from commjax.kernels._tiling import row_call, tile_rows
-from commjax.kernels.reference import feedback_sum, lane_absmax_constants, row_constants
+from commjax.kernels.reference import by_platform, feedback_sum, lane_absmax_constants, row_constants
 from commjax.packing import pack_lane_rows, unpack_lane_rows
 
 __all__ = ["FP8_FORMATS", "Fp8Format", "fp8_blocks", "fp8_reference", "fp8_decode"]
@@ -123,17 +123,7 @@ def fp8_reference(x, uniforms, residual, *, fmt: str, output: Optional[str]):
     on TPU as lane rows (``fp8_lane_rows``) where blocks are whole 128-lane rows."""
     if x.shape[1] % 128 or x.shape[0] == 0:
         return fp8_block_rows(x, uniforms, residual, fmt=fmt, output=output)
-    ops = [a for a in (uniforms, residual) if a is not None]
-
-    def run(fn):
-        def call(x, *rest):
-            it = iter(rest)
-            u = next(it) if uniforms is not None else None
-            e = next(it) if residual is not None else None
-            return fn(x, u, e, fmt=fmt, output=output)
-        return call
-
-    return lax.platform_dependent(x, *ops, tpu=run(fp8_lane_rows), default=run(fp8_block_rows))
+    return by_platform(fp8_lane_rows, fp8_block_rows, x, uniforms, residual, fmt=fmt, output=output)
 
 
 def fp8_block_rows(x, uniforms, residual, *, fmt: str, output: Optional[str]):

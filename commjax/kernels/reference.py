@@ -166,19 +166,27 @@ def quantize_reference(
     ``[n / 128, 128]`` (``quantize_lane_rows``, the same bits): that view is the
     vector's own memory layout there, while ``[nb, B]`` is a relayout of every input
     and output (the v5e int8 mean of a 21M-parameter MLP: ``benchmarks/aot.py``)."""
+    kw = dict(bits=bits, levels=levels, output=output)
     if x.shape[1] % 128 or not packing.sliced(bits) or x.shape[0] == 0:
-        return quantize_block_rows(x, uniforms, residual, bits=bits, levels=levels, output=output)
-    ops = [a for a in (uniforms, residual) if a is not None]
+        return quantize_block_rows(x, uniforms, residual, **kw)
+    return by_platform(quantize_lane_rows, quantize_block_rows, x, uniforms, residual, **kw)
 
-    def call(fn):
-        def run(x, *rest):
+
+def by_platform(lane_fn: Any, block_fn: Any, x: jax.Array, uniforms: Optional[jax.Array],
+                residual: Optional[jax.Array], **kw: Any) -> Any:
+    """``lane_fn(x, uniforms, residual, **kw)`` when lowered for TPU, ``block_fn(...)``
+    elsewhere (``lax.platform_dependent``; absent operands stay ``None``)."""
+    present = [a is not None for a in (uniforms, residual)]
+
+    def bind(fn):
+        def call(x, *rest):
             it = iter(rest)
-            u = next(it) if uniforms is not None else None
-            e = next(it) if residual is not None else None
-            return fn(x, u, e, bits=bits, levels=levels, output=output)
-        return run
+            u, e = (next(it) if p else None for p in present)
+            return fn(x, u, e, **kw)
+        return call
 
-    return lax.platform_dependent(x, *ops, tpu=call(quantize_lane_rows), default=call(quantize_block_rows))
+    ops = [a for a in (uniforms, residual) if a is not None]
+    return lax.platform_dependent(x, *ops, tpu=bind(lane_fn), default=bind(block_fn))
 
 
 def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str]):
@@ -287,9 +295,8 @@ def sign_reference(
     blocks of whole lane rows are computed as ``[n / 128, 128]`` (``sign_lane_rows``)."""
     if x.shape[1] % 128 or x.shape[0] == 0:
         return sign_block_rows(x, residual, output=output)
-    ops = [x] if residual is None else [x, residual]
-    run = lambda fn: lambda x, *e: fn(x, e[0] if e else None, output=output)  # noqa: E731
-    return lax.platform_dependent(*ops, tpu=run(sign_lane_rows), default=run(sign_block_rows))
+    return by_platform(lambda x, _, e, **kw: sign_lane_rows(x, e, **kw),
+                       lambda x, _, e, **kw: sign_block_rows(x, e, **kw), x, None, residual, output=output)
 
 
 def sign_lane_rows(x: jax.Array, residual: Optional[jax.Array], *, output: Optional[str]):
