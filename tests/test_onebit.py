@@ -95,9 +95,9 @@ def test_state_layout():
     mask = cj.per_replica_mask(s)
     assert mask.exchange.residual and mask.exchange.server_residual
     assert not any(jax.tree_util.tree_leaves((mask.count, mask.mu, mask.nu, mask.exchange.count)))
-    # Worker residual: one per compressed leaf, of its size; server: one chunk of the
+    # Worker residual: one per compressed leaf, in its shape; server: one chunk of the
     # bucket padded to N blocks.
-    assert [r.shape for r in s.exchange.residual] == [(2560,)]
+    assert [r.shape for r in s.exchange.residual] == [(64, 40)]
     assert s.exchange.server_residual.shape == (4096 // N,)  # 2560 -> 4096 = 2 * (256 * N)
     l = onebit_lamb(1e-3, warmup_steps=3, num_replicas=N, min_compress_size=256).init(params)[0]
     assert isinstance(l, OneBitLambState)
@@ -313,6 +313,6 @@ def test_init_sharded_sizes_the_state_for_the_mesh():
     params = {"w": jnp.ones((64, 40)), "b": jnp.ones((40,))}
     tx = onebit_adam(1e-3, warmup_steps=3, min_compress_size=256)
     state = cj.init_sharded(tx, params, mesh4, "data")
-    assert [r.shape for r in state[0].exchange.residual] == [(4 * 2560,)]
+    assert [r.shape for r in state[0].exchange.residual] == [(4 * 64, 40)]
     assert state[0].exchange.server_residual.shape == (4 * (3072 // 4),)  # 2560 -> 3 * (256 * 4)
     assert state[0].mu["w"].shape == (64, 40)
