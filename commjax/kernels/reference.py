@@ -276,13 +276,14 @@ def _block_mean_abs(y: jax.Array, view: tuple, shape: Optional[tuple] = None) ->
     shape = view if shape is None else shape
     inv = 1.0 / shape[1]
 
-    def total_of(v, scale=1.0):
-        t = jnp.sum(jnp.abs(v.reshape(view)) * scale if scale != 1.0 else jnp.abs(v.reshape(view)), axis=1)
+    def total_of(v, divide: bool = False):
+        a = jnp.abs(v.reshape(view))
+        t = jnp.sum(a * inv if divide else a, axis=1)
         return t if view == shape else jnp.sum(t.reshape(shape[0], -1), axis=1)
 
     total = total_of(y)
     # The flat sum is the conditional's operand (see feedback_sum).
-    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: total_of(v, inv), lambda v: total * inv, y)
+    scale = lax.cond(jnp.any(jnp.isinf(total)), lambda v: total_of(v, True), lambda v: total * inv, y)
     return scale[:, None]
 
 
@@ -363,17 +364,9 @@ def decode_reference(rows: jax.Array, *, bits: int, block_size: int, offset: int
 def decode_lane_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
                      divisor: Optional[int]) -> jax.Array:
     """``decode_block_rows`` through ``[n / 128, 128]`` lane rows: the same values."""
-    values = _decode_lanes(rows, bits=bits, block_size=block_size, offset=offset, step=step,
-                           divisor=divisor)
-    return values.reshape(rows.shape[0], block_size)
-
-
-def _decode_lanes(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
-                  divisor: Optional[int]) -> jax.Array:
-    """``decode_lane_rows`` as ``float32[nb * B / 128, 128]``."""
     codes = packing.unpack_lane_rows(rows[:, :-1], bits, block_size)  # [nb * m, 128]
     q = jnp.repeat(row_steps(rows, divisor), block_size // 128, axis=0)
-    return fence(levels_of(codes, offset=offset, step=step) * q, q)
+    return fence(levels_of(codes, offset=offset, step=step) * q, q).reshape(rows.shape[0], block_size)
 
 
 def decode_block_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, step: int,
