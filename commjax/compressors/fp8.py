@@ -27,8 +27,6 @@ import dataclasses
 from typing import ClassVar, Optional
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from commjax import kernels as _kernels
 from commjax import noise
@@ -95,8 +93,7 @@ class Fp8(BlockCompressor):
 
     def payload_finite(self, words):
         """A block decodes to finite values iff its scale (its row's last word) is finite."""
-        rows = words.reshape(-1, self.row_words)
-        return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
+        return self.scales_finite(words)
 
 
 def fp8(format: str = "e4m3", block_size: int = 256, stochastic: bool = False, *,

@@ -106,8 +106,7 @@ class _ScaledCodec(BlockCompressor):
 
     def payload_finite(self, words):
         """A block decodes to finite values iff its scale (its row's last word) is finite."""
-        rows = words.reshape(-1, self.row_words)
-        return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
+        return self.scales_finite(words)
 
     def decode_blocks(self, rows):
         """Unpack + dequantize in one kernel pass ([`commjax.kernels.decode_rows`][]);

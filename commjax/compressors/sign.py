@@ -6,8 +6,6 @@ import dataclasses
 from typing import ClassVar, Optional
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from commjax import kernels as _kernels
 from commjax.compressors.base import BlockCompressor, check_positive_int
@@ -63,8 +61,7 @@ class Sign(BlockCompressor):
 
     def payload_finite(self, words):
         """A block decodes to finite values iff its scale (its row's last word) is finite."""
-        rows = words.reshape(-1, self.row_words)
-        return jnp.all(jnp.isfinite(lax.bitcast_convert_type(rows[:, -1], jnp.float32)))
+        return self.scales_finite(words)
 
     def decode_blocks(self, rows):
         """Unpack + dequantize in one kernel pass ([`commjax.kernels.decode_rows`][])."""
