@@ -160,6 +160,11 @@ def methods() -> dict:
         "fp8": mean(cj.fp8()),
         "top_k_1pct": mean(cj.top_k(0.01)),
         "powersgd_r4": mean(cj.powersgd(4)),
+        # int8 with one default after another switched off: what each costs in the step.
+        "int8_nearest": mean(cj.quantize(8, stochastic=False)),
+        "int8_nearest_no_guard": mean(cj.quantize(8, stochastic=False), check_finite=False),
+        "int8_nearest_no_guard_no_feedback": mean(cj.quantize(8, stochastic=False), check_finite=False,
+                                                  error_feedback=False, server_error_feedback=False),
         "int8_pallas": mean(cj.quantize(8, kernels="pallas")),
         "int4_pallas": mean(cj.quantize(4, kernels="pallas")),
         "sign_pallas": mean(cj.sign(kernels="pallas")),
