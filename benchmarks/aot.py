@@ -219,15 +219,16 @@ def _ratios(rows: list) -> None:
 
 
 def table(rows: list) -> str:
-    head = (f"{'method':14} {'traffic MB':>10} {'x exact':>7} {'x ideal':>7} {'temp MB':>8} {'+grad':>6} "
+    w = max([14] + [len(r["method"]) for r in rows])
+    head = (f"{'method':{w}} {'traffic MB':>10} {'x exact':>7} {'x ideal':>7} {'temp MB':>8} {'+grad':>6} "
             f"{'wire MB':>8} {'fast x':>7} {'slow x':>7}  kernels")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['method']:14} does not compile: {r['error'][:90]}")
+            lines.append(f"{r['method']:{w}} does not compile: {r['error'][:90]}")
             continue
         lines.append(
-            f"{r['method']:14} {r['traffic'] / 1e6:10.1f} {r.get('over_exact', float('nan')):7.2f} "
+            f"{r['method']:{w}} {r['traffic'] / 1e6:10.1f} {r.get('over_exact', float('nan')):7.2f} "
             f"{r['over_ideal']:7.2f} {r['temp'] / 1e6:8.1f} {r.get('temp_over_exact_in_grads', float('nan')):6.2f} "
             f"{r['wire'] / 1e6:8.2f} {r.get('projected_fast_vs_exact', float('nan')):7.2f} "
             f"{r.get('projected_slow_vs_exact', float('nan')):7.2f}  {','.join(r['kernels']) or '-'}")
