@@ -316,3 +316,26 @@ def test_property_roundtrip(name, shape, dtype, scale, seed):
     if name.endswith("nearest"):
         bits = BLOCK_CODECS[name].num_bits
         assert np.abs(yf - xf).max() <= amax / (2 ** (bits - 1) - 1) * 0.5 * slack + amax * 1e-2 * (dtype != "float32") + 1e-30
+
+
+@pytest.mark.parametrize("codec", [cj.quantize(8), cj.quantize(4, block_size=64), cj.quantize(2),
+                                   cj.sign(), cj.sign(block_size=33), cj.fp8(), cj.qsgd(),
+                                   cj.terngrad()], ids=repr)
+def test_scale_words_strided_read_equals_the_row_view(codec):
+    """The TPU's strided read of the scale words picks the same words as the row view,
+    with leading (replica) axes too, and a non-finite scale anywhere is seen by both."""
+    nb = 13
+    x = _x(nb * codec.block, seed=3)
+    words = jnp.stack([codec.encode(x, jax.random.PRNGKey(r), start=0) for r in range(3)])
+    np.testing.assert_array_equal(codec.scale_words(words, strided=True), codec.scale_words(words))
+    rows = np.asarray(words).reshape(3, nb, codec.row_words)
+    np.testing.assert_array_equal(np.asarray(codec.scale_words(words)), rows[..., -1])
+    assert bool(codec.scales_finite(words))
+    for b in (0, 7, nb - 1):
+        bad = rows.copy()
+        bad[1, b, -1] = np.float32(np.inf if b % 2 else np.nan).view(np.uint32)
+        w = jnp.asarray(bad.reshape(3, -1))
+        for strided in (True, False):
+            s = jax.lax.bitcast_convert_type(codec.scale_words(w, strided=strided), jnp.float32)
+            assert not bool(jnp.all(jnp.isfinite(s)))
+        assert not bool(codec.scales_finite(w))

@@ -240,21 +240,28 @@ class BlockCompressor(Compressor):
         """``uint32[nb, row_words] -> float32[nb, block]``."""
         raise NotImplementedError
 
-    def scales_finite(self, words: jax.Array) -> jax.Array:
-        """Whether every row's last word (an fp32 scale, for the codecs whose rows end in
-        one) of the payload ``words`` (last axis) is finite. On TPU a strided read of the
-        flat payload: viewed as ``[blocks, row_words]`` rows there, the odd row width is
-        padded to 128 lanes and the payload copied into them (v5e, 21M-parameter int8
-        step: 147 MB of 1232); elsewhere the row view, which fuses (the strided read cost
-        an H100 21 MB)."""
+    def scale_words(self, words: jax.Array, *, strided: bool = False) -> jax.Array:
+        """The last word of every row of the payload ``words`` (last axis): the fp32 scale
+        of the codecs whose rows end in one. ``strided``: read by a strided slice of the
+        flat payload instead of its ``[blocks, row_words]`` view (the same words)."""
         rw = self.row_words
+        if strided:
+            return words[..., rw - 1::rw]
+        return words.reshape(words.shape[:-1] + (-1, rw))[..., -1]
 
-        def finite(scales):
-            return jnp.all(jnp.isfinite(lax.bitcast_convert_type(scales, jnp.float32)))
+    def scales_finite(self, words: jax.Array) -> jax.Array:
+        """Whether every row's scale word (``scale_words``) of the payload is finite. On
+        TPU read by a strided slice: in the ``[blocks, row_words]`` view there, the odd row
+        width is padded to 128 lanes and the payload copied into it (v5e, 21M-parameter
+        int8 step: 147 MB of 1232); elsewhere the view, which fuses (the strided read cost
+        an H100 21 MB)."""
+        def finite(strided):
+            def f(w):
+                scales = lax.bitcast_convert_type(self.scale_words(w, strided=strided), jnp.float32)
+                return jnp.all(jnp.isfinite(scales))
+            return f
 
-        return lax.platform_dependent(
-            words, tpu=lambda w: finite(w[..., rw - 1::rw]),
-            default=lambda w: finite(w.reshape(w.shape[:-1] + (-1, rw))[..., -1]))
+        return lax.platform_dependent(words, tpu=finite(True), default=finite(False))
 
     def encode(self, x, key, segments=None, *, start: int = 0):
         """``float32[n] -> uint32[payload_words(n)]``; ``start``: see ``encode_blocks``."""
