@@ -203,6 +203,8 @@ def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output:
     u = None if uniforms is None else uniforms.reshape(-1, 128)
     r = jnp.floor(q + u) if u is not None else jnp.round(q)
     codes = (jnp.clip(r, -levels, levels) + levels).astype(jnp.uint32)
+    if uniforms is not None and output is not None:
+        codes = _codes_once(codes)
     words = packing.pack_lane_rows(codes, bits, b)
     rows = jnp.concatenate([words, lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)[:, None]], axis=1)
     if output is None:
