@@ -128,12 +128,11 @@ class ExchangeConfig:
 def _residual_shapes(cfg: ExchangeConfig, plan: MeanPlan) -> tuple[tuple[int, ...], ...]:
     """Shape of each worker residual the state holds: one array per compressed leaf, in
     the leaf's shape (the same meaning on every backend, whatever order the exchange
-    reads it in: ``_flat_order``), flat for exchanges (``_residual_order``); none without
-    error feedback or for a lossless compressor."""
+    reads it in: ``_flat_order``); none without error feedback or for a lossless
+    compressor."""
     if not cfg.feedback:
         return ()
-    flat = exchange_for(cfg.compressor) is not None
-    return tuple((s.size,) if flat else tuple(s.shape) for s in plan.segments)
+    return tuple(tuple(s.shape) for s in plan.segments)
 
 
 def _num_replicas_now(cfg: ExchangeConfig) -> int:
@@ -326,22 +325,20 @@ def _from_real_parts(means: list, leaf):
 
 
 def _flat_order(cfg: ExchangeConfig) -> tuple:
-    """``(ravel, unravel)`` between a compressed leaf and its flat part: the order its bytes
-    lie in memory (``commjax.bucket.ravel_leaf``), except for exchanges (PowerSGD),
-    which factor the part as the leaf's matrix and so need it row-major."""
+    """``(ravel, unravel)`` between a compressed leaf and its part: the order its bytes
+    lie in memory (``commjax.bucket.ravel_leaf``), except for exchanges (PowerSGD), which
+    take each leaf as it is (they factor it as a matrix, a reshape of the leaf itself:
+    a flat row-major part is a transpose each way on TPU, four passes over every leaf of
+    a v5e step)."""
     if exchange_for(cfg.compressor) is not None:
-        return jnp.ravel, lambda v, shape: v.reshape(shape)
+        return (lambda a: a), (lambda v, shape: v.reshape(shape))
     return flat_bucket.ravel_leaf, flat_bucket.unravel_leaf
 
 
 def _residual_order(cfg: ExchangeConfig) -> tuple:
-    """``(ravel, unravel)`` between a stored worker residual and its flat part: the leaf's
-    shape in memory order, or for exchanges the row-major part itself (their parts are
-    row-major on every backend, and on TPU a leaf-shaped residual would be transposed
-    each way: PowerSGD's v5e GPT-2-small step moved 6.9 GB against 8.4 GB)."""
-    if exchange_for(cfg.compressor) is not None:
-        return (lambda r: r.reshape(-1)), (lambda v, shape: v.reshape(-1))
-    return flat_bucket.ravel_leaf, flat_bucket.unravel_leaf
+    """``(ravel, unravel)`` between a stored worker residual (in its leaf's shape) and its
+    part: the part's own order (``_flat_order``)."""
+    return _flat_order(cfg)
 
 
 def _direct(cfg: ExchangeConfig, plan: MeanPlan) -> bool:
@@ -366,8 +363,8 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     segs = plan.segments
     ravel = _flat_order(cfg)[0]
     res_ravel = _residual_order(cfg)[0]
-    parts = [jnp.pad(ravel(leaves[i].astype(jnp.float32)), (0, s.padded_size - s.size))
-             for i, s in zip(comp_idx, segs)]
+    exchange = exchange_for(cfg.compressor)
+    parts = [_pad(ravel(leaves[i].astype(jnp.float32)), s) for i, s in zip(comp_idx, segs)]
     zero_bad = plan.finite_flags and not cfg.compressor.leaf_local
     ok = list(exact.local_ok)
     if exact.bucket is not None and cfg.axis_name is not None:
@@ -386,16 +383,14 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     comp_metrics = {}
     if cfg.compressor.metric_names:
         comp_metrics = cfg.compressor.local_metrics(_with_residuals(parts, residuals, segs), segs)
-    exchange = exchange_for(cfg.compressor)
     if exchange is not None:
-        xs = parts if residuals is None else [
-            p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
-            for p, r, s in zip(parts, residuals, segs)]
+        # Leaf-shaped parts, residuals and results (``_flat_order``): nothing is padded.
+        xs = parts if residuals is None else [p + r for p, r in zip(parts, residuals)]
         means, locals_, cs, finite = exchange.run(
             cfg.compressor, xs, segs, state.compressor_state,
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
             shared_key=keys[0], init_key=keys[2], count=state.count)
-        new_res = [] if residuals is None else [x[:s.size] - l for x, l, s in zip(xs, locals_, segs)]
+        new_res = [] if residuals is None else [x - l for x, l in zip(xs, locals_)]
         return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite)
     server = state.server_residual if plan.server_residual_size else None
     res = reduce_parts(
@@ -406,6 +401,16 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     new_server = state.server_residual if server is None else res.server_residual
     new_res = [] if residuals is None else list(res.residuals)
     return _Compressed(res.means, new_res, new_server, state.compressor_state, comp_metrics, res.finite)
+
+
+def _pad(part: jax.Array, seg) -> jax.Array:
+    """A flat part padded with zeros to the codec's alignment; a leaf-shaped part (an
+    exchange's) as it is, which must need none."""
+    if part.ndim == 1:
+        return jnp.pad(part, (0, seg.padded_size - seg.size))
+    if seg.padded_size != seg.size:
+        raise AssertionError(f"a leaf-shaped part of {seg.size} elements needs padding to {seg.padded_size}")
+    return part
 
 
 def _zero_bad(parts: list, ok: list) -> list:
@@ -426,8 +431,8 @@ def _zero_bad(parts: list, ok: list) -> list:
 def _with_residuals(parts, residuals, segments):
     """``x = g + e`` as one flat vector (the codecs' metrics read it)."""
     if residuals is None:
-        return flat_bucket.concat(parts)
-    return flat_bucket.concat([p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
+        return flat_bucket.concat([p.reshape(-1) for p in parts])
+    return flat_bucket.concat([(p + _pad(r.astype(jnp.float32), s)).reshape(-1)
                                for p, r, s in zip(parts, residuals, segments)])
 
 
@@ -488,8 +493,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
 
 
 def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics, last_norm) -> dict:
-    # Read in the parts' order: a row-major ravel would transpose each residual on TPU.
-    norm = guards.l2_norm_near([_residual_order(cfg)[0](r) for r in residual], last_norm)
+    # Read in memory order: a row-major ravel would transpose each residual on TPU.
+    norm = guards.l2_norm_near([flat_bucket.ravel_leaf(r) for r in residual], last_norm)
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)

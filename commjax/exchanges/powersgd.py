@@ -97,7 +97,7 @@ class _Step:
         self.shared = seeded(shared_key, c.seed)
         self.init_key = init_key
         self.first = None  # alternating: True at the first P-step (see first_q)
-        self.leaves = [p[:s.size] for p, s in zip(parts, self.segments)]
+        self.leaves = list(parts)  # each in its leaf's shape (or flat), unpadded
         # mats[g][j]: member j of group g as its m x n matrix (a reshape, no copy).
         self.mats = [[self.leaves[i].reshape(g.m, g.n) for i in g.members] for g in self.groups]
 
@@ -119,7 +119,7 @@ class _Step:
         mean, finite = [None] * len(self.segments), [None] * len(self.segments)
         for gi, (g, p, q) in enumerate(zip(self.groups, ps, qs)):
             for j, i in enumerate(g.members):
-                mean[i] = low_rank_product(p[j], q[j]).reshape(-1)
+                mean[i] = low_rank_product(p[j], q[j]).reshape(self.leaves[i].shape)
                 finite[i] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f[gi][j])) for f in raw]
                                               + [product_finite(p[j], q[j])]))
         local = mean if self.axis is None else [_compat.vary(m, self.axis) for m in mean]
@@ -179,7 +179,8 @@ class PowerSGDExchange(Exchange):
     def run(self, codec, parts, segments, state, *, axis_name, num_replicas, shared_key,
             init_key, count):
         """Exact mean in the warm-up, then PowerSGD, leaf by leaf: each leaf's matrix is a
-        view of its own part, and its ``M_hat`` is returned as its own array. Returns
+        view of its own part (``parts`` in the leaves' shapes, unpadded), and its ``M_hat``
+        is returned as its own array in the part's shape. Returns
         ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase (error feedback keeps
         ``x - M_hat``; ``finite`` per segment from the factors, see ``_Step.finish``)
         and ``(mean, x, state, finite)`` in the warm-up (no residual builds up; ``finite``
