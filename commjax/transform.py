@@ -68,9 +68,8 @@ class CompressedMeanState(NamedTuple):
         for a lossless compressor (the identity), whose residual would always be zero.
         Kept per leaf so that the step reads and writes each in place, never a joined
         copy; in the leaf's shape so that it means the same on every backend (the
-        exchange reads leaves in memory order: ``commjax.bucket.ravel_leaf``), except
-        for compressors with their own exchange (PowerSGD), whose residuals are the
-        flat row-major parts they factor.
+        exchange reads leaves in memory order: ``commjax.bucket.ravel_leaf``; compressors
+        with their own exchange, PowerSGD, factor the leaves as they are).
       server_residual: per-replica residual of the two-phase reducer's re-encoding, one
         chunk of the bucket; ``()`` for other reducers (a zero-size array would make
         orbax's standard handlers refuse the state). The bucket holds the leaves in the

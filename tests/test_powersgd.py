@@ -621,3 +621,26 @@ def test_outer_sum_is_the_product_and_the_same_bits_in_every_fusion(r):
     res, upd, hat = jax.jit(consumers)(p, q, m)
     np.testing.assert_array_equal(np.asarray(res), np.asarray(m) - np.asarray(hat))
     np.testing.assert_array_equal(np.asarray(upd), np.asarray(m) - np.float32(0.5) * np.asarray(hat))
+
+
+def test_residuals_are_kept_in_the_leaves_shapes():
+    """The worker residual of each factored leaf has the leaf's shape (the exchange factors
+    the leaf as it lies), and on one replica error feedback's books balance element by
+    element: ``mean + new residual == gradient + old residual`` (to rounding), which a
+    residual stored in any other order than the leaf's would break."""
+    params = {"w": jnp.zeros((48, 40)), "k": jnp.zeros((3, 8, 24))}
+    tx = cj.compressed_mean(cj.powersgd(2), None, min_compress_size=64)
+    state = tx.init(params)
+    assert [r.shape for r in state.residual] == [(3, 8, 24), (48, 40)]
+    step = jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        g = {"k": jnp.asarray(rng.normal(size=(3, 8, 24)), jnp.float32),
+             "w": jnp.asarray(rng.normal(size=(48, 40)), jnp.float32)}
+        old = state.residual
+        mean, state = step(g, state)
+        for leaf, o, e in zip(("k", "w"), old, state.residual):
+            assert e.shape == g[leaf].shape
+            np.testing.assert_allclose(np.asarray(mean[leaf]) + np.asarray(e), np.asarray(g[leaf]) + np.asarray(o),
+                                       rtol=0, atol=1e-5)
+        assert float(jnp.max(jnp.abs(state.residual[1]))) > 0  # rank 2 of a 48 x 40 leaf is lossy
