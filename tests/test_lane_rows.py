@@ -99,3 +99,22 @@ def test_fp8_lane_rows(fmt, block, output, stochastic):
     _same(a[1:], b[1:])
     f = F.FP8_FORMATS[fmt]
     _same([F._decode(a[0], f)], [F._decode_lanes(a[0], f)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block", [128, 256, 1024])
+def test_cast_lane_rows(dtype, block):
+    """cast's TPU packing of 16-bit values (lane rows) against the block rows: the same
+    words, and each decodes the other's words to the same values (saturated, infinite
+    and NaN values included)."""
+    from commjax.compressors import cast16
+
+    codec = cast16.Cast(dtype_name=jnp.dtype(dtype).name, block_size=block)
+    x, _, _ = _inputs(block)
+    x = x.at[1, 3].set(jnp.nan).at[2, 5].set(-1e38).at[0, 1].set(7e4)
+    half = jax.lax.bitcast_convert_type(codec._round(x), jnp.uint16)
+    words = cast16.pack_halves_lane_rows(half)
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(packing.pack_codes(half, 16)))
+    back = cast16.unpack_halves_lane_rows(words)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(packing.unpack_codes(words, 16, block)))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(half).astype(np.uint32))

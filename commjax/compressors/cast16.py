@@ -11,7 +11,7 @@ from jax import lax
 
 from commjax.compressors.base import BlockCompressor
 from commjax.compressors.lossless import Lossless, lossless
-from commjax.packing import pack_codes, unpack_codes
+from commjax.packing import pack_codes, pack_lane_rows, unpack_codes, unpack_lane_rows
 from commjax.validation import check_dtype
 
 __all__ = ["Cast", "cast"]
@@ -65,11 +65,17 @@ class Cast(BlockCompressor):
         high half: two lane-aligned slices at the default ``B = 256`` (pairs of adjacent values would need a
         ``[n / 2, 2]`` view, which a TPU pads to 128 lanes: 64x its bytes)."""
         half = lax.bitcast_convert_type(self._round(blocks), jnp.uint16)
-        return pack_codes(half, 16)
+        if self.block_size % 128:
+            return pack_codes(half, 16)
+        return lax.platform_dependent(half, tpu=pack_halves_lane_rows, default=lambda h: pack_codes(h, 16))
 
     def decode_blocks(self, rows):
-        half = unpack_codes(rows, 16, self.block_size).astype(jnp.uint16)
-        return lax.bitcast_convert_type(half, self.dtype).astype(jnp.float32)
+        if self.block_size % 128:
+            codes = unpack_codes(rows, 16, self.block_size)
+        else:  # see pack_halves_lane_rows
+            codes = lax.platform_dependent(rows, tpu=unpack_halves_lane_rows,
+                                           default=lambda r: unpack_codes(r, 16, self.block_size))
+        return lax.bitcast_convert_type(codes.astype(jnp.uint16), self.dtype).astype(jnp.float32)
 
     def encode_and_decode(self, x, key, segments=None, *, start: int = 0):
         """``decode(encode(x))`` is ``x`` rounded (packing is lossless): taken from ``x``
@@ -84,6 +90,21 @@ class Cast(BlockCompressor):
 
     def linear_payload_bytes(self, n: int) -> int:
         return 2 * n
+
+
+def pack_halves_lane_rows(half: jax.Array) -> jax.Array:
+    """``pack_codes(half, 16)`` of 16-bit codes ``[blocks, B]`` (``B`` a multiple of 128)
+    through lane rows ``[n / 128, 128]``, the flat vector's own layout on TPU, where the
+    ``[blocks, B]`` view is a relayout of every value (v5e bf16 mean of a 21M-parameter
+    MLP: 1044 -> 932 MB of HBM traffic). Value ``w`` and ``w + B / 2`` of a block lie in
+    the same lane of rows ``B / 256`` apart. The same words."""
+    return pack_lane_rows(half.reshape(-1, 128), 16, half.shape[1])
+
+
+def unpack_halves_lane_rows(rows: jax.Array) -> jax.Array:
+    """The inverse of ``pack_halves_lane_rows``: ``uint32[blocks, B / 2] -> [blocks, B]``."""
+    block = 2 * rows.shape[1]
+    return unpack_lane_rows(rows, 16, block).reshape(rows.shape[0], block)
 
 
 def cast(dtype: Any = jnp.bfloat16, *, wire: str = "raw",
