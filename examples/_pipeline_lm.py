@@ -75,18 +75,19 @@ class Config:
 class Codecs:
     """What travels on each axis: forward and backward stage sends, the tensor-parallel
     all-reduces (forward and backward), the data-parallel gradient mean; the delta mode
-    of the forward sends (and ``delta_rate`` of ``"slot"``); lazy error propagation of the backward sends; ``epilogue``:
+    of the forward sends; lazy error propagation of the backward sends; ``epilogue``:
     compress only the backward sends of the first ``stages - 1`` microbatches (the last
-    the backward pass finishes: Optimus-CC's epilogue), the others exact."""
+    the backward pass finishes: Optimus-CC's epilogue), the others exact; ``delta_rate``
+    of the ``"slot"`` mode (``cc.ppermute``)."""
 
     fwd: Optional[cj.Compressor] = None
     bwd: Optional[cj.Compressor] = None
     tp: Optional[cj.Compressor] = None
     dp: Optional[cj.Compressor] = None
     delta: Optional[str] = None
-    delta_rate: float = 1.0
     lazy: bool = False
     epilogue: bool = False
+    delta_rate: float = 1.0
 
 
 # ----------------------------------------------------------------------- parameters
