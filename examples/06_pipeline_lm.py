@@ -49,6 +49,9 @@ def parse_args(argv=None):
     g.add_argument("--delta", choices=("none", "sample", "slot"), default="none",
                    help="forward sends as deltas: sample (AQ-SGD, a reference per training "
                         "window) or slot (one per send, no per-sample storage) (default none)")
+    g.add_argument("--delta-rate", type=float, default=1.0,
+                   help="slot mode: the reference moves this fraction of the way to each "
+                        "received value (a running mean over microbatches; default 1)")
     g.add_argument("--lazy", action="store_true",
                    help="lazy error propagation of the backward sends (Optimus-CC)")
     g.add_argument("--epilogue", action="store_true",
@@ -91,12 +94,14 @@ def main(argv=None) -> int:
     per_step = cfg.data * cfg.microbatches * cfg.mb
     if args.windows < per_step:
         raise SystemExit(f"error: --windows must be at least {per_step} (one step's windows)")
-    windows = pl.Windows(corpus, args.windows, cfg.seq_len, per_step, args.seed)
+    # AQ-SGD's references stay on the devices a sample passes: each data replica its shard.
+    windows = pl.Windows(corpus, args.windows, cfg.seq_len, per_step, args.seed,
+                         replicas=cfg.data if args.delta == "sample" else 1)
     held = corpus.eval_batch(64, cfg.seq_len)
     delta = None if args.delta == "none" else args.delta
     runs = [("exact", pl.Codecs())]
     mine = pl.Codecs(pl.codec(args.fwd), pl.codec(args.bwd), pl.codec(args.tp), pl.codec(args.dp),
-                     delta, args.lazy, args.epilogue)
+                     delta, args.lazy, args.epilogue, args.delta_rate)
     label = (f"fwd={args.fwd}{'/' + args.delta if delta else ''} bwd={args.bwd}"
              f"{'/lazy' if args.lazy else ''}{'/epilogue' if args.epilogue else ''} tp={args.tp} dp={args.dp}")
     if mine != runs[0][1]:

@@ -77,7 +77,8 @@ class Codecs:
     all-reduces (forward and backward), the data-parallel gradient mean; the delta mode
     of the forward sends; lazy error propagation of the backward sends; ``epilogue``:
     compress only the backward sends of the first ``stages - 1`` microbatches (the last
-    the backward pass finishes: Optimus-CC's epilogue), the others exact."""
+    the backward pass finishes: Optimus-CC's epilogue), the others exact; ``delta_rate``
+    of the ``"slot"`` mode (``cc.ppermute``)."""
 
     fwd: Optional[cj.Compressor] = None
     bwd: Optional[cj.Compressor] = None
@@ -86,6 +87,7 @@ class Codecs:
     delta: Optional[str] = None
     lazy: bool = False
     epilogue: bool = False
+    delta_rate: float = 1.0
 
 
 # ----------------------------------------------------------------------- parameters
@@ -183,6 +185,8 @@ def _tick_send(cfg: Config, codecs: Codecs, t: int, y, pipe: dict, sample_ids, k
         kw["grad_residual"] = pipe["token"]
     if codecs.delta:
         kw.update(delta=codecs.delta, state=pipe["delta"])
+        if codecs.delta_rate != 1.0:
+            kw["delta_rate"] = codecs.delta_rate
         if codecs.delta == "sample":
             kw.update(sample_ids=_ids(sample_ids, t, s, cfg, trash),
                       recv_ids=_ids(sample_ids, t, s - 1, cfg, trash))
@@ -350,17 +354,37 @@ def make_mesh(cfg: Config):
 
 class Windows:
     """A finite training set of ``count`` windows (sample ids ``0..count-1``) visited in
-    epochs, each a fresh permutation; ``batch(step)`` is the global batch of a step."""
+    epochs, each a fresh permutation; ``batch(step)`` is the global batch of a step.
 
-    def __init__(self, corpus: Any, count: int, seq_len: int, per_step: int, seed: int):
+    ``replicas > 1``: every data replica keeps its own fixed shard of ``count / replicas``
+    windows and visits it in epochs of its own (the global batch is the replicas' slices
+    in order, as ``P("data")`` splits it). A sample then always passes through the same
+    devices, so the delta references of ``delta="sample"`` (AQ-SGD) that those devices
+    keep are one epoch old on every later visit; with one global permutation per epoch a
+    sample changes replicas, and the replica it lands on holds no reference for it (its
+    first visit there goes exact) or one several epochs stale."""
+
+    def __init__(self, corpus: Any, count: int, seq_len: int, per_step: int, seed: int,
+                 replicas: int = 1):
+        if count % replicas or per_step % replicas:
+            raise ValueError(f"Windows: {replicas} replicas must divide count={count} and "
+                             f"per_step={per_step}.")
         rng = np.random.default_rng([seed, 7])
         starts = rng.integers(0, len(corpus.train) - seq_len - 1, count)
         self.tokens = corpus.train[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-        self.count, self.per_step, self.seed = count, per_step, seed
+        self.count, self.per_step, self.seed, self.replicas = count, per_step, seed, replicas
+        self.shards = np.random.default_rng([seed, 11]).permutation(count).reshape(replicas, -1)
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        per_epoch = self.count // self.per_step
-        epoch, k = divmod(step, per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
-        ids = order[k * self.per_step:(k + 1) * self.per_step].astype(np.int32)
+        if self.replicas == 1:
+            per_epoch = self.count // self.per_step
+            epoch, k = divmod(step, per_epoch)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+            ids = order[k * self.per_step:(k + 1) * self.per_step].astype(np.int32)
+            return self.tokens[ids], ids
+        per = self.per_step // self.replicas
+        epoch, k = divmod(step, self.shards.shape[1] // per)
+        ids = np.concatenate([
+            shard[np.random.default_rng([self.seed, epoch, r]).permutation(shard.size)][k * per:(k + 1) * per]
+            for r, shard in enumerate(self.shards)]).astype(np.int32)
         return self.tokens[ids], ids

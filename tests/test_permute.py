@@ -134,6 +134,61 @@ def test_delta_modes_keep_sender_and_receiver_references_equal(mesh, mode):
         assert all(e < 0.5 for e in err)
 
 
+def test_delta_slot_rate_makes_the_reference_a_running_mean(mesh):
+    """delta_rate=r: the receiver reads m + decode (exactly the sent value with an exact
+    codec) and both ends move m by r of the decoded delta, bit-equal at the two ends."""
+    q2 = cj.quantize(2, stochastic=False, block_size=64)
+    x = jax.random.normal(jax.random.PRNGKey(5), (N * 4, 64))
+    rate = 0.25
+
+    def fn(v, codec):
+        st = cc.delta_state(v, "slot")
+        ys = []
+        for t in range(3):
+            y, st = cc.ppermute(v * (1 + t), "data", RING, codec, delta="slot", state=st,
+                                delta_rate=rate)
+            ys.append(y)
+        return jnp.stack(ys)[None], jax.tree_util.tree_map(lambda a: a[None], st)
+
+    ref = np.roll(np.asarray(x).reshape(N, 4, 64), 1, axis=0)
+    ys, st = run(lambda v: fn(v, None), mesh, x, out=(P("data"), P("data")))
+    ys = np.asarray(ys).reshape(N, 3, 4, 64)
+    m = np.zeros_like(ref)
+    for t in range(3):
+        np.testing.assert_allclose(ys[:, t], ref * (1 + t), rtol=1e-6, atol=1e-6)
+        m = m + rate * (ref * (1 + t) - m)
+    np.testing.assert_allclose(np.asarray(st.received), m, rtol=1e-6, atol=1e-6)
+    ys, st = run(lambda v: fn(v, q2), mesh, x, out=(P("data"), P("data")))
+    st = jax.tree_util.tree_map(np.asarray, st)
+    np.testing.assert_array_equal(np.roll(st.sent, 1, axis=0), st.received)
+    ys = np.asarray(ys).reshape(N, 3, 4, 64)
+    # The running mean removes the part every call shares, so the last send is closer
+    # than a 2-bit code of the whole value would be.
+    plain = np.stack([np.asarray(q2.roundtrip(jnp.asarray(r * 3))) for r in ref])
+    assert np.linalg.norm(ys[:, 2] - 3 * ref) < np.linalg.norm(plain - 3 * ref)
+
+
+def test_delta_sample_first_visit_is_decided_by_the_senders(mesh):
+    """A replica that sends nothing (the end of a chain) must not force the senders'
+    seen samples to go exact because of ids of its own it has not sent."""
+    q4 = cj.quantize(4, stochastic=False, block_size=64)
+    x = jax.random.normal(jax.random.PRNGKey(6), (N * 4, 64))
+
+    def fn(v):
+        st = cc.delta_state(v, "sample", num_samples=8)
+        ids = jnp.arange(4, dtype=jnp.int32)
+        _, st = cc.ppermute(v, "data", CHAIN, q4, delta="sample", state=st, sample_ids=ids)
+        last = lax.axis_index("data") == N - 1
+        y, st = cc.ppermute(v + 0.01, "data", CHAIN, q4, delta="sample", state=st,
+                            sample_ids=jnp.where(last, ids + 4, ids))
+        return y
+
+    y = np.asarray(run(fn, mesh, x)).reshape(N, 4, 64)
+    ref = shifted(np.asarray(x).reshape(N, 4, 64) + 0.01, CHAIN)
+    err = np.max(np.abs(y[1:] - ref[1:]))
+    assert 0 < err < 0.01  # the coded branch: 4 bits of a 0.01 delta, not the exact send
+
+
 def test_delta_sample_bytes_equal_the_plan(mesh):
     q4 = cj.quantize(4, stochastic=False, block_size=64)
 
@@ -175,3 +230,8 @@ def test_errors_name_the_fix(mesh):
         call(perm=RING, delta="slot")
     with pytest.raises(ValueError, match="num_samples"):
         cc.delta_state(x, "sample")
+    with pytest.raises(ValueError, match="delta_rate"):
+        call(perm=RING, delta="slot", state=cc.delta_state(jnp.zeros((2, 8)), "slot"), delta_rate=0.0)
+    with pytest.raises(ValueError, match="delta_rate"):
+        call(perm=RING, codec=cj.quantize(8), delta="sample", delta_rate=0.5,
+             state=cc.delta_state(jnp.zeros((2, 8)), num_samples=4), sample_ids=jnp.arange(2))

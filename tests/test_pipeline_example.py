@@ -57,3 +57,31 @@ def test_identity_codecs_are_the_exact_run_bit_for_bit():
     assert out[0][0] == out[1][0]
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(out[0][1]),
                                                     jax.tree_util.tree_leaves(out[1][1])))
+
+
+def test_windows_on_replica_shards_keep_each_sample_on_its_replica():
+    """replicas=2: every epoch each replica visits exactly its own fixed shard (so AQ-SGD's
+    references on its devices are met again), in a new order; replicas=1 is unchanged."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import _pipeline_lm as pl
+
+    class Corpus:
+        train = np.arange(10_000) % 50
+
+    w = pl.Windows(Corpus(), 64, 8, 16, seed=3, replicas=2)
+    per_epoch = 64 // 16
+    seen = {0: [], 1: []}
+    for step in range(3 * per_epoch):
+        tokens, ids = w.batch(step)
+        np.testing.assert_array_equal(tokens, w.tokens[ids])
+        for r in (0, 1):
+            seen[r].append(ids[8 * r:8 * (r + 1)])
+    for r in (0, 1):
+        epochs = np.concatenate(seen[r]).reshape(3, -1)
+        for e in epochs:
+            assert sorted(e.tolist()) == sorted(w.shards[r].tolist())
+        assert not np.array_equal(epochs[0], epochs[1])
+    assert not set(w.shards[0].tolist()) & set(w.shards[1].tolist())
+    one = pl.Windows(Corpus(), 64, 8, 16, seed=3)
+    order = np.random.default_rng([3, 1]).permutation(64)[16:32]
+    np.testing.assert_array_equal(one.batch(per_epoch + 1)[1], order)

@@ -47,8 +47,13 @@ new_state)``):
   ``sample_ids`` (``int32[B]``, the rows' sample ids); the receiver's ids travel along
   (``4 B`` bytes) unless ``recv_ids`` is given.
 * ``"slot"`` (storage-free, in the spirit of Clapping): one reference per call site,
-  the size of one send: ``C(x - m)``, ``m += decode``. Successive microbatches are
-  different samples, so the delta is the change from the previous one.
+  the size of one send: ``C(x - m)`` is sent, the receiver reads ``m + decode`` and both
+  ends move ``m += delta_rate * decode``. Successive microbatches are different
+  samples: with ``delta_rate=1`` the reference is the previous microbatch and the delta
+  is the difference of two unrelated samples (larger than either); a small
+  ``delta_rate`` makes ``m`` a running mean over the microbatches, and the delta what
+  sets this sample apart from it (positions, the common offset of the activations
+  removed).
 
 Sender and receiver decode the same words in the same operation (one decode of the
 stacked own and received words), so their references stay bit-identical.
@@ -261,12 +266,13 @@ def _leaf_key(codec: Optional[Compressor], key: Optional[jax.Array], axis_name: 
 # ------------------------------------------------------------------ the plain send
 
 
-def _receives(perm: tuple, axis_name: Any) -> jax.Array:
-    """Whether this replica is a destination of ``perm`` (a replicated table, indexed)."""
+def _receives(perm: tuple, axis_name: Any, end: int = 1) -> jax.Array:
+    """Whether this replica is a destination (``end=1``) or a source (``end=0``) of
+    ``perm`` (a replicated table, indexed)."""
     n = _compat.axis_size(axis_name)
     table = np.zeros((n,), bool)
-    for _, d in perm:
-        table[d] = True
+    for pair in perm:
+        table[pair[end]] = True
     return jnp.asarray(table)[lax.axis_index(axis_name)]
 
 
@@ -301,6 +307,7 @@ class _Config:
     codec: Optional[Compressor]
     grad_codec: Optional[Compressor]
     delta: Optional[str]
+    delta_rate: float = 1.0
 
 
 def _backward(cfg: _Config, ct: Any, residual: Any, key) -> tuple[Any, Any]:
@@ -385,20 +392,25 @@ def delta_state(x: Any, mode: str = "sample", *, num_samples: Optional[int] = No
     return PermuteDelta(*(jax.tree_util.tree_unflatten(treedef, rows),) * 2, seen, seen)
 
 
-def _delta_send(cfg: _Config, leaves: list, m_send: list, m_recv: list, key) -> tuple[list, list]:
-    """``C(x - m)`` sent; ``(own, received)`` new references per leaf: the sender's
-    ``m_send + decode(own words)`` and the receiver's ``m_recv + decode(its words)``,
-    formed in one operation each so that the two are the same bits."""
+def _delta_send(cfg: _Config, leaves: list, m_send: list, m_recv: list, key,
+                rate: float = 1.0) -> tuple[list, list, list]:
+    """``C(x - m)`` sent. Returns ``(own, received, values)`` per leaf: the new references
+    ``m + rate * decode`` of the sender (``m_send``, its own words) and of the receiver
+    (``m_recv``, the words it got), formed in one operation each so that the two are the
+    same bits, and what the receiver reads, ``m_recv + decode`` (the references
+    themselves when ``rate == 1``)."""
     d = [x.astype(jnp.float32) - m for x, m in zip(leaves, m_send)]
     coders = _coders(d, cfg.codec)
     got, rows = _send(d, coders, cfg.axis_name, cfg.perm, key)
-    own, recv = [], []
+    own, recv, values = [], [], []
     for i, (ms, mr) in enumerate(zip(m_send, m_recv)):
         delta = rows[i] if i in rows else jnp.stack([d[i], got[i]])
-        both = jnp.stack([ms, mr]) + delta
+        refs = jnp.stack([ms, mr])
+        both = refs + delta if rate == 1.0 else refs + jnp.float32(rate) * delta
         own.append(both[0])
         recv.append(both[1])
-    return own, recv
+        values.append(both[1] if rate == 1.0 else mr + delta[1])
+    return own, recv, values
 
 
 def _delta_forward(cfg: _Config, leaves: list, state: PermuteDelta, ids, rids, key):
@@ -408,9 +420,9 @@ def _delta_forward(cfg: _Config, leaves: list, state: PermuteDelta, ids, rids, k
     received = jax.tree_util.tree_leaves(state.received)
     treedef = jax.tree_util.tree_structure(state.sent)
     if cfg.delta == "slot":
-        own, recv = _delta_send(cfg, leaves, sent, received, key)
+        own, recv, values = _delta_send(cfg, leaves, sent, received, key, cfg.delta_rate)
         new_recv = [jnp.where(receives, r, old) for r, old in zip(recv, received)]
-        ys = [jnp.where(receives, r, 0).astype(x.dtype) for r, x in zip(recv, leaves)]
+        ys = [jnp.where(receives, v, 0).astype(x.dtype) for v, x in zip(values, leaves)]
         return ys, PermuteDelta(jax.tree_util.tree_unflatten(treedef, own),
                                 jax.tree_util.tree_unflatten(treedef, new_recv),
                                 state.sent_seen, state.received_seen)
@@ -418,14 +430,16 @@ def _delta_forward(cfg: _Config, leaves: list, state: PermuteDelta, ids, rids, k
         rids = lax.ppermute(_compat.vary(ids, axis), axis, cfg.perm)
     m_send = [s[ids] for s in sent]
     m_recv = [r[rids] for r in received]
-    fresh = jnp.any(jnp.logical_not(state.sent_seen[ids])).astype(jnp.float32)
-    fresh = _compat.psum(fresh, axis) > 0  # every replica takes the same branch
+    # Only what a source sends decides: a replica that sends nothing (the last pipeline
+    # stage) has ids of its own that must not force the others' sends exact.
+    fresh = jnp.any(jnp.logical_not(state.sent_seen[ids])) & _receives(cfg.perm, axis, end=0)
+    fresh = _compat.psum(fresh.astype(jnp.float32), axis) > 0  # every replica takes the same branch
 
     def exact():
         got = lax.ppermute([_compat.vary(x.astype(jnp.float32), axis) for x in leaves], axis, cfg.perm)
         return [x.astype(jnp.float32) for x in leaves], list(got)
 
-    own, recv = lax.cond(fresh, exact, lambda: _delta_send(cfg, leaves, m_send, m_recv, key))
+    own, recv = lax.cond(fresh, exact, lambda: _delta_send(cfg, leaves, m_send, m_recv, key)[:2])
     ys = [jnp.where(receives, r, 0).astype(x.dtype) for r, x in zip(recv, leaves)]
     new_sent = [s.at[ids].set(o) for s, o in zip(sent, own)]
     new_recv = [jnp.where(receives, r.at[rids].set(v), r) for r, v in zip(received, recv)]
@@ -513,6 +527,16 @@ def _check_delta(delta, state, sample_ids, x, where: str) -> None:
                          "cc.delta_state(x, 'slot').")
 
 
+def _check_rate(delta, rate, where: str) -> None:
+    ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate <= 1
+    if not ok:
+        raise ValueError(f"{where}: `delta_rate` must be a number in (0, 1]; got {rate!r}.")
+    if rate != 1 and delta != "slot":
+        raise ValueError(f"{where}: `delta_rate` is for delta='slot' (a reference shared by every "
+                         "sample that passes the slot); delta='sample' keeps each sample's last "
+                         f"reconstruction (AQ-SGD) and takes delta_rate=1; got delta={delta!r}.")
+
+
 def ppermute(
     x: Any,
     axis_name: Any,
@@ -526,6 +550,7 @@ def ppermute(
     state: Optional[PermuteDelta] = None,
     sample_ids: Optional[jax.Array] = None,
     recv_ids: Optional[jax.Array] = None,
+    delta_rate: float = 1.0,
 ) -> Any:
     """Send ``x`` along ``perm`` over ``axis_name``, encoded with ``codec`` (see the module
     docstring for the maths and the bytes).
@@ -546,6 +571,8 @@ def ppermute(
       sample_ids: ``int32[batch]``, the sample id of each row of ``x`` (``"sample"``).
       recv_ids: the ids of the rows this replica receives, if it knows them (saves the
         ``4 * batch`` bytes of sending them along).
+      delta_rate: ``"slot"`` mode: the reference moves ``delta_rate`` of the way to what
+        was received, ``m += delta_rate * decode`` (in ``(0, 1]``; 1: the last send).
 
     Returns:
       ``y`` (like ``x``); ``(y, new_state)`` with ``delta``; ``(y, grad_residual)`` with
@@ -562,6 +589,7 @@ def ppermute(
     codec = check_permute_codec(codec, where)
     grad_codec = check_permute_codec(grad_codec, where, "grad_codec")
     _check_delta(delta, state, sample_ids, x, where)
+    _check_rate(delta, delta_rate, where)
     if delta is None and grad_residual is None and _is_exact(codec) and _is_exact(grad_codec):
         return lax.ppermute(_compat.vary(x, axis_name), axis_name, pairs)
     if grad_residual is not None and (jax.tree_util.tree_structure(grad_residual)
@@ -569,7 +597,7 @@ def ppermute(
         raise ValueError(f"{where}: `grad_residual` must have the structure of `x` (zeros like "
                          "it to start).")
     cfg = _Config(axis_name, pairs, None if _is_exact(codec) else codec,
-                  None if _is_exact(grad_codec) else grad_codec, delta)
+                  None if _is_exact(grad_codec) else grad_codec, delta, float(delta_rate))
     x = _compat.vary(x, axis_name)
     aux = (state, None if sample_ids is None else jnp.asarray(sample_ids, jnp.int32),
            None if recv_ids is None else jnp.asarray(recv_ids, jnp.int32))
