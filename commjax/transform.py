@@ -352,6 +352,8 @@ class _Compressed(NamedTuple):
     metrics: dict
     finite: Any = None  # per leaf: its mean finite, from the payloads' scale words or the
     # exchange's factors (None: sparse codecs, whose finite inputs give finite means)
+    kept: bool = False  # residuals already the old ones where flagged (all the flags known
+    # before the exchange, finite None): not selected again
 
 
 def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _Compressed:
@@ -392,14 +394,18 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         new_res = [] if residuals is None else [x - l for x, l in zip(xs, locals_)]
         return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite)
     server = state.server_residual if plan.server_residual_size else None
+    # Leaves flagged before the exchange keep their residuals: a reducer may select them
+    # itself, ahead of the exchange (``PartsResult.kept``).
+    keep = list(exact.global_bad) if cfg.check_finite and residuals is not None and plan.finite_flags else None
     res = reduce_parts(
         cfg.compressor, plan.reducer_impl, parts, segs,
         axis_name=cfg.axis_name, num_replicas=n_rep, key=keys[1], residuals=residuals,
         server_residual=server, server_error_feedback=cfg.server_error_feedback,
-        shared_key=keys[0])
+        shared_key=keys[0], keep=keep)
     new_server = state.server_residual if server is None else res.server_residual
     new_res = [] if residuals is None else list(res.residuals)
-    return _Compressed(res.means, new_res, new_server, state.compressor_state, comp_metrics, res.finite)
+    return _Compressed(res.means, new_res, new_server, state.compressor_state, comp_metrics, res.finite,
+                       kept=res.kept and res.finite is None)
 
 
 def _pad(part: jax.Array, seg) -> jax.Array:
@@ -486,7 +492,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     if comp is not None and comp.residuals:
         ravel, unravel = _residual_order(cfg)
         new_residual = tuple(unravel(
-            (jnp.where(bad[k], ravel(state.residual[k]), e) if cfg.check_finite else e).astype(cfg.residual_dtype),
+            (jnp.where(bad[k], ravel(state.residual[k]), e) if cfg.check_finite and not comp.kept
+             else e).astype(cfg.residual_dtype),
             seg.shape) for k, (e, seg) in enumerate(zip(comp.residuals, plan.segments)))
     return out, new_residual
 

@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 from commjax import _compat
 from commjax.compressors.base import Compressor, Segment
 from commjax.compressors.exact import identity
-from commjax.compressors.sparse import (TWO_STAGE_MIN_WORK, exact_top_k, random_k, sorted_top_k, threshold,
-                                        top_k, two_stage_top_k)
+from commjax.collectives._reducers import _encode_segmentwise
+from commjax.compressors.sparse import (TWO_STAGE_MIN_WORK, exact_top_k, group_size, grouped_top_k, random_k,
+                                        sorted_top_k, threshold, top_k, two_stage_top_k)
 from commjax.layout import shard_state, state_specs
 from commjax.plan import communication_plan
 from commjax.testing import flat_residual, noniid_classification, train
@@ -524,3 +525,66 @@ def test_sorted_top_k_is_lax_top_k(kind):
         want = np.asarray(jax.lax.top_k(jnp.asarray(v), k)[1])
         got = np.asarray(jax.jit(sorted_top_k, static_argnums=1)(jnp.asarray(v), k))
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan", "hot_tail", "mostly_zero"])
+def test_grouped_top_k_is_lax_top_k(kind):
+    """The selection accelerators compile (the k best groups of L, then the k best of their
+    elements) returns lax.top_k's positions in its order: ties at the k-th value split
+    between groups (the lower positions chosen), NaN and -0.0, a shorter last group, the
+    chosen all in the last groups, more zeros than k."""
+    rng = np.random.default_rng(5)
+    v = rng.standard_normal((2, 100_003)).astype(np.float32)
+    if kind == "ties":
+        v = np.round(v * 2)
+    if kind == "nan":
+        v[:, ::997] = np.nan
+        v[:, 3::1999] = -np.nan
+        v[:, 1::5] = 0.0
+        v[:, 2::7] = -0.0
+        v[:, 4::11] = np.inf
+    if kind == "hot_tail":
+        v[:, -5000:] *= 100.0
+    if kind == "mostly_zero":
+        v[:, 50:] = 0.0
+        v[:, 70_000:70_010] = -0.0
+    select = jax.jit(grouped_top_k, static_argnums=(1, 2), static_argnames=("of_abs", "lanes"))
+    cases = [(1, None, 1), (1000, None, 1), (1000, 8, 1), (1000, 100, 1), (5000, 3, 1), (12_500, 8, 1),
+             (20, 5000, 1), (1000, None, 128), (1000, 8, 128), (777, 2, 128), (1, 4, 128), (12_000, 8, 16)]
+    for k, group, lanes in cases:
+        for of_abs in (False, True):
+            want = np.asarray(jax.lax.top_k(jnp.abs(v) if of_abs else jnp.asarray(v), k)[1])
+            got = np.asarray(select(jnp.asarray(v), k, group, of_abs=of_abs, lanes=lanes))
+            np.testing.assert_array_equal(got, want, err_msg=f"k={k} group={group} lanes={lanes} of_abs={of_abs}")
+    assert group_size(100_003, 1000) == 8 and group_size(100_003, 30_000) == 1
+    assert group_size(200, 50) == 2 and group_size(200, 50, lanes=128) == 1  # no whole block of 2 x 128
+
+
+def test_segmentwise_top_k_is_the_joined_encoding():
+    """The all-gather reducer encodes top-k (per leaf) a leaf at a time: the same words as
+    the joined bucket's payload and the same residuals, bit for bit; with a leaf flagged
+    to keep its residual, that leaf's old residual exactly and the others unchanged."""
+    shapes = [(37, 11), (300,), (3,), (0,), (2000,)]
+    segs, off = [], 0
+    for shp in shapes:
+        size = math.prod(shp)
+        segs.append(Segment(off, size, size, shp))
+        off += size
+    rng = np.random.default_rng(6)
+    parts = [jnp.asarray(rng.standard_normal(s.size).astype(np.float32)) for s in segs]
+    olds = [jnp.asarray(rng.standard_normal(s.size).astype(np.float32)) for s in segs]
+    olds[1] = olds[1].at[:7].set(-0.0)
+    for codec in (top_k(0.05), top_k(0.05, values_dtype=jnp.bfloat16, chunk_size=64)):
+        y = jnp.concatenate([p + r for p, r in zip(parts, olds)])
+        words_ref, res_ref = codec.encode_residual(y, None, segs)
+        keep = [jnp.asarray(False)] * len(segs)
+        words, outs = _encode_segmentwise(codec, parts, segs, olds, None, keep)
+        np.testing.assert_array_equal(np.asarray(words), np.asarray(words_ref))
+        for o, s in zip(outs, segs):
+            np.testing.assert_array_equal(np.asarray(o).view(np.uint32),
+                                          np.asarray(res_ref[s.offset:s.offset + s.size]).view(np.uint32))
+        keep[1] = jnp.asarray(True)
+        _, kept = _encode_segmentwise(codec, parts, segs, olds, None, keep)
+        np.testing.assert_array_equal(np.asarray(kept[1]).view(np.uint32), np.asarray(olds[1]).view(np.uint32))
+        for i in (0, 2, 4):
+            np.testing.assert_array_equal(np.asarray(kept[i]), np.asarray(outs[i]))

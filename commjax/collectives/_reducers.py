@@ -42,6 +42,9 @@ class PartsResult(NamedTuple):
     #: Per segment, replicated: whether every payload that made its mean was finite (read
     #: from the payloads' scale words, for codecs that have them); ``None``: not known.
     finite: Optional[list] = None
+    #: Whether ``residuals`` already hold the old residual on every segment flagged in
+    #: ``reduce_parts``'s ``keep`` (else the caller selects them).
+    kept: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +125,7 @@ class AllReduce(Reducer):
                           num_replicas)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
-               server_residual=None, server_error_feedback=True):
+               server_residual=None, server_error_feedback=True, keep=None):
         y = _joined(parts, segments, residuals)
         n = y.shape[0]
         payload = codec.encode_linear(y, key)
@@ -173,10 +176,10 @@ class AllGather(Reducer):
         return tells_finite(codec)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
-               server_residual=None, server_error_feedback=True):
+               server_residual=None, server_error_feedback=True, keep=None):
         if not isinstance(codec, BlockCompressor):
             return _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals,
-                                 server_residual)
+                                 server_residual, keep)
         if codec.fallback is not None:
             return _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key,
                                          residuals, server_residual)
@@ -228,17 +231,59 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
     return PartsResult(means, outs, _empty(server_residual), finite)
 
 
-def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual):
-    """All-gather reducer of a codec whose selection spans leaves: the joined bucket."""
-    x = _joined(parts, segments, residuals)
-    if residuals is None:
-        words, out = codec.encode_and_decode(x, key, segments)
+def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual,
+                  keep=None):
+    """All-gather reducer of a codec that is not a block codec: each replica's payload of
+    the whole bucket, decoded and summed into one bucket-size vector.
+
+    With ``keep`` (and residuals) the new residuals are final before the exchange: the
+    old one on a flagged segment. An optimization barrier then puts them ahead of the
+    all-gather, so that what they are made from (``y = part + residual``, a top-k
+    selection's scratch) is freed before the bucket-size sum is allocated."""
+    if isinstance(codec, TopK) and codec.scope == "leaf":
+        words, outs = _encode_segmentwise(codec, parts, segments, residuals, key, keep)
     else:
-        words, out = codec.encode_residual(x, key, segments)
+        # The selection spans leaves: encode the joined bucket.
+        x = _joined(parts, segments, residuals)
+        if residuals is None:
+            words, out = codec.encode_and_decode(x, key, segments)
+        else:
+            words, out = codec.encode_residual(x, key, segments)
+        outs = flat_bucket.cut(out, segments)
+        if keep is not None and residuals is not None:
+            outs = [jnp.where(b, r.astype(jnp.float32), e) for b, r, e in zip(keep, residuals, outs)]
+    kept = keep is not None and residuals is not None
+    if kept:
+        words, outs = lax.optimization_barrier((words, outs))
     got = _compat.all_gather_invariant(words, axis_name, tiled=False)
-    mean = codec.decode_sum(got, x.shape[0], segments, divide=num_replicas)
-    outs = flat_bucket.cut(out, segments)
-    return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual))
+    n = sum(s.padded_size for s in segments)
+    mean = codec.decode_sum(got, n, segments, divide=num_replicas)
+    return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual), kept=kept)
+
+
+def _encode_segmentwise(codec, parts, segments, residuals, key, keep=None):
+    """The joined bucket's payload and outputs, a segment at a time: for a codec whose
+    selection domains are the segments (top-k per leaf) the payload is the segments'
+    payloads back to back, the same words, and no copy of the whole bucket is joined.
+
+    With residuals, each new residual is ``y`` with the sent entries subtracted in place
+    (``TopK.residual_from``); with ``keep`` the old residual where its segment is flagged,
+    selected before that subtraction (which then subtracts zeros), so that it is formed
+    in one leaf-size buffer."""
+    words, outs = [], []
+    ys = _with_residuals(parts, segments, residuals)
+    for k, (y, s) in enumerate(zip(ys, segments)):
+        one = [Segment(0, s.size, s.padded_size, s.shape)]
+        w = codec.encode(y, key, one)
+        if residuals is None:
+            out = codec.decode(w, y.shape[0], one)
+        else:
+            old = None if keep is None else (
+                keep[k], jnp.pad(residuals[k].astype(jnp.float32), (0, s.padded_size - s.size)))
+            out = codec.residual_from(y, w, one, keep=old)
+        words.append(w)
+        outs.append(out[:s.size])
+    return jnp.concatenate(words), outs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +340,7 @@ class TwoPhase(Reducer):
         return isinstance(codec, BlockCompressor) and tells_finite(self._server(codec))
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
-               server_residual=None, server_error_feedback=True):
+               server_residual=None, server_error_feedback=True, keep=None):
         n = sum(s.padded_size for s in segments)
         m = self.padded_length(codec, n, num_replicas)
         if isinstance(codec, BlockCompressor) and codec.fallback is not None:
@@ -424,7 +469,7 @@ class SharedMask(Reducer):
         return red.bytes(vcodec, kp, num_replicas)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
-               server_residual=None, server_error_feedback=True):
+               server_residual=None, server_error_feedback=True, keep=None):
         x = _joined(parts, segments, residuals)
         n = x.shape[0]
         vals = codec.encode_linear(x, key, segments).astype(jnp.float32)
@@ -525,7 +570,8 @@ def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[
                  key: Optional[jax.Array], residuals: Optional[Sequence[jax.Array]] = None,
                  server_residual: Optional[jax.Array] = None,
                  server_error_feedback: bool = True,
-                 shared_key: Optional[jax.Array] = None) -> PartsResult:
+                 shared_key: Optional[jax.Array] = None,
+                 keep: Optional[Sequence[jax.Array]] = None) -> PartsResult:
     """The mean over ``axis_name`` of a bucket held as one padded flat part per segment
     (``parts[i]`` is ``segments[i].padded_size`` long, segments back to back).
 
@@ -534,6 +580,9 @@ def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[
     ``PartsResult.residuals`` holds the new residuals; without, the local decodes.
     ``reducer=None``: one replica, encode and decode only. ``shared_key`` (the same on
     every replica) is what codecs with ``shared_randomness`` (random-k) encode with.
+    ``keep`` (one replicated bool per segment, with ``residuals``): segments whose old
+    residual the caller keeps; a reducer that selects it itself says so
+    (``PartsResult.kept``), others leave the selection to the caller.
     """
     if codec.shared_randomness:
         key = shared_key
@@ -541,7 +590,7 @@ def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[
         return _one_replica(codec, parts, segments, key, residuals, server_residual)
     return reducer.reduce(codec, parts, segments, axis_name=axis_name, num_replicas=num_replicas,
                           key=key, residuals=residuals, server_residual=server_residual,
-                          server_error_feedback=server_error_feedback)
+                          server_error_feedback=server_error_feedback, keep=keep)
 
 
 def _one_replica(codec, parts, segments, key, residuals, server_residual):

@@ -183,8 +183,19 @@ class _SparseDecode:
         ``k`` entries written instead of a dense decode of ``n`` values and a subtraction.
         Padding slots carry zeros, and ``v + (-0) == v`` for every ``v``."""
         words = self.encode(y, key, segments)
+        return words, self.residual_from(y, words, segments)
+
+    def residual_from(self, y, words, segments=None, *, keep=None):
+        """``y - decode(words)`` for the payload ``words`` of ``y``, the sent values
+        subtracted at their positions (see ``encode_residual``). ``keep=(flag, old)``:
+        ``old`` instead where ``flag`` (a scalar bool), selected before the scatter, which
+        then adds ``-0`` (no change to any value): the result is formed in one buffer."""
         pos, val = self.entries(words, y.shape[0], segments)
-        return words, _add_entries(y, pos, -val)
+        if keep is not None:
+            flag, old = keep
+            y = jnp.where(flag, old, y)
+            val = jnp.where(flag, 0.0, val)
+        return _add_entries(y, pos, -val)
 
     def decode_sum(self, payloads, n, segments=None, *, divide=1):
         """``sum_r decode(payloads[r], n) / divide`` in replica order, as the dense sum of
@@ -192,8 +203,11 @@ class _SparseDecode:
         for bit (the sum never holds ``-0``,
         so adding zero where a replica sent nothing changes no bit), but with each
         replica's entries scatter-added into one buffer: ``n + N k`` values written
-        instead of ``N n``."""
-        total = jnp.zeros((n,), jnp.float32)
+        instead of ``N n``. The sum's buffer is filled only once the payloads are here (a
+        zero fill depends on nothing, and XLA may otherwise schedule it before the
+        selection, whose scratch then adds to it)."""
+        zero, payloads = lax.optimization_barrier((jnp.zeros((), jnp.float32), payloads))
+        total = jnp.full((n,), zero)
         for r in range(payloads.shape[0]):
             pos, val = self.entries(payloads[r], n, segments)
             total = _add_entries(total, pos, val if divide == 1 else val / divide)
@@ -207,19 +221,116 @@ _ROW = 1024
 TWO_STAGE_MIN_WORK = 1 << 39
 
 
-def exact_top_k(mag: jax.Array, k: int) -> jax.Array:
+#: Lanes of a TPU vector register: ``grouped_top_k`` groups elements 128 apart there.
+_TPU_LANES = 128
+
+
+def exact_top_k(mag: jax.Array, k: int, *, of_abs: bool = False) -> jax.Array:
     """``lax.top_k(mag, k)[1]`` as int32 (positions of the ``k`` largest of each row of
-    ``[R, m]``, largest first, the lower position first among equals): one ``lax.top_k``,
-    or ``two_stage_top_k`` (the same positions) where that is faster: ``m * k`` at
-    least ``TWO_STAGE_MIN_WORK`` and ``k`` at most ``m / 8`` (``uses_two_stage``)."""
-    if not uses_two_stage(mag.shape[1], k):
-        row = lambda v: lax.top_k(v, k)[1].astype(jnp.int32)  # noqa: E731
+    ``[R, m]``, largest first, the lower position first among equals); of ``|mag|`` with
+    ``of_abs`` (taken inside the selection, so that no ``|x|`` copy of a long row is made).
+
+    On CPU one ``lax.top_k``, or ``two_stage_top_k`` (the same positions) where that is
+    faster: ``m * k`` at least ``TWO_STAGE_MIN_WORK`` and ``k`` at most ``m / 8``
+    (``uses_two_stage``). On accelerators ``grouped_top_k`` where ``group_size`` is over
+    1 (``k`` at most a quarter of the row): it sorts about ``2 sqrt(m k)`` entries, not the
+    whole row that XLA sorts for ``lax.top_k`` on GPU (a copy of the row's values and
+    positions each); shorter rows are sorted whole."""
+    m = mag.shape[1]
+    absolute = jnp.abs if of_abs else (lambda v: v)  # noqa: E731
+    if not uses_two_stage(m, k):
+        cpu = lambda v: lax.top_k(absolute(v), k)[1].astype(jnp.int32)  # noqa: E731
     else:
-        row = lambda v: two_stage_top_k(v, k)  # noqa: E731
-    # On TPU a stable sort instead: XLA's TPU compiler aborts the process on lax.top_k
-    # of some shapes (f32[1, 262144] with k in (2048, 4096], the 1% of a 512 x 512 leaf),
-    # and compiles the sort to the same memory traffic (1M values, k = 1%: 8.5 MB both).
-    return lax.platform_dependent(mag, tpu=lambda v: sorted_top_k(v, k), default=row)
+        cpu = lambda v: two_stage_top_k(absolute(v), k)  # noqa: E731
+    # On TPU sorts, not lax.top_k: XLA's TPU compiler aborts the process on lax.top_k of
+    # some shapes (f32[1, 262144] with k in (2048, 4096], the 1% of a 512 x 512 leaf).
+    if group_size(m, k, _TPU_LANES) > 1:
+        tpu = lambda v: grouped_top_k(v, k, of_abs=of_abs, lanes=_TPU_LANES)  # noqa: E731
+    else:
+        tpu = lambda v: sorted_top_k(absolute(v), k)  # noqa: E731
+    gpu = (lambda v: grouped_top_k(v, k, of_abs=of_abs)) if group_size(m, k) > 1 else cpu  # noqa: E731
+    return lax.platform_dependent(mag, cpu=cpu, tpu=tpu, default=gpu)
+
+
+def _order_keys(v: jax.Array) -> jax.Array:
+    """int32 keys whose ascending order is ``v``'s descending total order (``-NaN < -inf
+    < ... < -0.0 < 0.0 < ... < inf < NaN``, the order ``lax.top_k`` uses)."""
+    bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    return ~jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def group_size(m: int, k: int, lanes: int = 1) -> int:
+    """Group length of ``grouped_top_k`` for ``k`` of ``m``: the power of two nearest
+    below ``sqrt(m / k)``, which about minimises the ``m / L + k L`` entries it sorts;
+    1 where grouping does not pay or leaves fewer than ``k`` groups in whole blocks of
+    ``L * lanes`` (then ``exact_top_k`` sorts the row)."""
+    if k <= 0 or m < 4 * k:
+        return 1
+    group = 1 << max(0, int(math.floor(math.log2(math.sqrt(m / k)))))
+    return group if group > 1 and m // (group * lanes) * lanes >= k else 1
+
+
+def _first_min(keys: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """The least of ``keys`` along ``axis`` and the first index holding it."""
+    idx = lax.broadcasted_iota(jnp.int32, keys.shape, axis)
+
+    def least(a, b):
+        first = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+        return jnp.where(first, a[0], b[0]), jnp.where(first, a[1], b[1])
+
+    top = jnp.iinfo(jnp.int32).max
+    return lax.reduce((keys, idx), (jnp.int32(top), jnp.int32(top)), least, (axis,))
+
+
+def grouped_top_k(v: jax.Array, k: int, group: Optional[int] = None, *, of_abs: bool = False,
+                  lanes: int = 1) -> jax.Array:
+    """``lax.top_k(v, k)[1]`` as int32 (of ``|v|`` with ``of_abs``) for rows ``[R, m]``,
+    sorting about ``m / L + k L`` entries instead of ``m``, and no array the size of the
+    row (``L = group``, ``group_size(m, k, lanes)`` by default).
+
+    The row is cut into blocks of ``L * lanes`` elements, viewed ``[L, lanes]``: each
+    column is a group of ``L`` elements (consecutive with one lane, a TPU vector
+    register's 128 lanes apart with 128, so that nothing is padded to 128 lanes). Each
+    group is represented by its best key and the first position holding it, and the ``k``
+    best groups are taken in that order. They hold every chosen element: with ``t`` the
+    ``k``-th best key, the chosen are the elements better than ``t`` and the ties at ``t``
+    of lowest positions. At most ``k`` groups hold a chosen element, and each ranks before
+    every group that holds none: its best is better than ``t``, or equal to ``t`` with a
+    chosen tie at or after its first position, which is lower than any tie that was not
+    chosen. The elements of those groups and of the row's tail after the last whole block
+    are then sorted by (key, position), the ``k`` first taken: ``lax.top_k``'s positions
+    in its order.
+    """
+    rows, m = v.shape
+    group = group_size(m, k, lanes) if group is None else int(group)
+    block = group * lanes
+    whole = m // block
+    if not (1 <= k <= whole * lanes):
+        raise ValueError(f"grouped_top_k: k={k} of a row of {m} in groups of {group} x {lanes} lanes.")
+
+    def keys(a):
+        return _order_keys(jnp.abs(a) if of_abs else a)
+
+    def one(x):
+        best, j = _first_min(keys(x[:whole * block].reshape(whole, group, lanes)), 1)  # [whole, lanes]
+        base = lax.broadcasted_iota(jnp.int32, best.shape, 0) * block + lax.broadcasted_iota(
+            jnp.int32, best.shape, 1)
+        first = (base + j * lanes).reshape(-1)
+        chosen = lax.sort((best.reshape(-1), first), num_keys=2)[1][:k]
+        start = chosen // block * block + chosen % lanes  # each chosen group's first element
+        if lanes == 1:  # consecutive: whole rows of the [whole, L] view
+            cand = x[:whole * block].reshape(whole, group)[start // group].reshape(-1)
+            cpos = (start[:, None] + lax.iota(jnp.int32, group)[None, :]).reshape(-1)
+        else:  # [L, k]: k on the lanes
+            cpos = (start[None, :] + lanes * lax.iota(jnp.int32, group)[:, None]).reshape(-1)
+            cand = x[cpos]
+        ckey = keys(cand)
+        if m > whole * block:  # the tail, every element a candidate
+            ckey = jnp.concatenate([ckey, keys(x[whole * block:])])
+            cpos = jnp.concatenate([cpos, lax.iota(jnp.int32, m - whole * block) + whole * block])
+        return lax.sort((ckey, cpos), num_keys=2)[1][:k]
+
+    return jax.vmap(one)(v)
 
 
 def sorted_top_k(mag: jax.Array, k: int) -> jax.Array:
@@ -227,10 +338,8 @@ def sorted_top_k(mag: jax.Array, k: int) -> jax.Array:
     positions: the same positions in the same order (largest first, the lower position
     first among equals, in the total order ``lax.top_k`` uses: ``-NaN < -inf < ... <
     -0.0 < 0.0 < ... < inf < NaN``)."""
-    bits = lax.bitcast_convert_type(mag.astype(jnp.float32), jnp.int32)
-    bits = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # the floats' total order as integers
     pos = lax.broadcasted_iota(jnp.int32, mag.shape, 1)
-    return lax.sort((~bits, pos), dimension=1, num_keys=1, is_stable=True)[1][:, :k]
+    return lax.sort((_order_keys(mag), pos), dimension=1, num_keys=1, is_stable=True)[1][:, :k]
 
 
 def uses_two_stage(m: int, k: int) -> bool:
@@ -320,11 +429,10 @@ class TopK(_SparseDecode, Compressor):
         out = []
         for g in self.groups(x.shape[0], segments):
             xs = self._chunked(x, g)
-            mag = jnp.abs(xs)
             if self.approximate:
-                _, idx = lax.approx_max_k(mag, g.k, recall_target=self.recall_target)
+                _, idx = lax.approx_max_k(jnp.abs(xs), g.k, recall_target=self.recall_target)
             else:
-                idx = exact_top_k(mag, g.k)
+                idx = exact_top_k(xs, g.k, of_abs=True)
             idx = idx.astype(jnp.int32)
             out.append((jnp.take_along_axis(xs, idx, axis=1), idx))
         return out
