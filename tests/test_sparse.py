@@ -507,12 +507,9 @@ def test_two_stage_top_k_is_lax_top_k(kind):
     np.testing.assert_array_equal(np.asarray(jax.jit(exact_top_k, static_argnums=1)(jnp.asarray(v), 3001)), want)
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "nan"])
-def test_sorted_top_k_is_lax_top_k(kind):
-    """The selection a TPU compiles (a stable sort) returns lax.top_k's positions in its
-    order: among ties the lower position first, NaN above every number, zeros last."""
-    rng = np.random.default_rng(4)
-    v = np.abs(rng.standard_normal((3, 262_144))).astype(np.float32)
+def _special(v: np.ndarray, kind: str) -> np.ndarray:
+    """``v`` with ties (``"ties"``) or NaN of both signs, zeros of both signs and
+    infinities (``"nan"``) put in; other kinds as it is."""
     if kind == "ties":
         v = np.round(v * 2)
     if kind == "nan":
@@ -521,6 +518,16 @@ def test_sorted_top_k_is_lax_top_k(kind):
         v[:, 1::5] = 0.0
         v[:, 2::7] = -0.0
         v[:, 4::11] = np.inf
+    return v
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan"])
+def test_sorted_top_k_is_lax_top_k(kind):
+    """The selection a TPU compiles (a stable sort) returns lax.top_k's positions in its
+    order: among ties the lower position first, NaN above every number, zeros last."""
+    rng = np.random.default_rng(4)
+    v = np.abs(rng.standard_normal((3, 262_144))).astype(np.float32)
+    v = _special(v, kind)
     for k in (1, 2621, 4096):
         want = np.asarray(jax.lax.top_k(jnp.asarray(v), k)[1])
         got = np.asarray(jax.jit(sorted_top_k, static_argnums=1)(jnp.asarray(v), k))
@@ -535,14 +542,7 @@ def test_grouped_top_k_is_lax_top_k(kind):
     chosen all in the last groups, more zeros than k."""
     rng = np.random.default_rng(5)
     v = rng.standard_normal((2, 100_003)).astype(np.float32)
-    if kind == "ties":
-        v = np.round(v * 2)
-    if kind == "nan":
-        v[:, ::997] = np.nan
-        v[:, 3::1999] = -np.nan
-        v[:, 1::5] = 0.0
-        v[:, 2::7] = -0.0
-        v[:, 4::11] = np.inf
+    v = _special(v, kind)
     if kind == "hot_tail":
         v[:, -5000:] *= 100.0
     if kind == "mostly_zero":
