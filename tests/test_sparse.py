@@ -302,6 +302,16 @@ def _run(tx, mesh, grads, steps, check_vma=True):
         states.append(jax.device_get(state))
     return outs, states
 
+def _leaf_segments(shapes):
+    """Unpadded segments of leaves of ``shapes`` laid side by side, and their total size."""
+    segs, off = [], 0
+    for shp in shapes:
+        size = math.prod(shp)
+        segs.append(Segment(off, size, size, shp))
+        off += size
+    return segs, off
+
+
 
 @pytest.mark.parametrize("codec", [top_k(0.05), top_k(0.05, values_dtype=jnp.bfloat16, chunk_size=64),
                                    top_k(0.3, scope="model"), threshold(0.5, 40), threshold(0.5, 2000)],
@@ -312,11 +322,7 @@ def test_encode_residual_is_y_minus_its_decode(codec):
     huge and tiny magnitudes, bf16 rounding of the sent values, padding slots (a capacity
     above the number of entries over ``tau``), a leaf smaller than a chunk."""
     shapes = [(37, 11), (300,), (3,)]
-    segs, off = [], 0
-    for shp in shapes:
-        size = math.prod(shp)
-        segs.append(Segment(off, size, size, shp))
-        off += size
+    segs, off = _leaf_segments(shapes)
     rng = np.random.default_rng(3)
     y = rng.standard_normal(off).astype(np.float32) * np.exp2(rng.integers(-60, 60, off)).astype(np.float32)
     y[rng.integers(0, off, 30)] = -0.0
@@ -337,11 +343,7 @@ def test_decode_sum_is_the_dense_sum_bit_for_bit(codec, divide):
     replica order) equals the dense sum of their decodings in replica order, bit for bit:
     shared positions, padding slots, zeros of either sign, a leaf smaller than a chunk."""
     n_rep, shapes = 5, [(37, 11), (300,), (3,)]
-    segs, off = [], 0
-    for shp in shapes:
-        size = math.prod(shp)
-        segs.append(Segment(off, size, size, shp))
-        off += size
+    segs, off = _leaf_segments(shapes)
     rng = np.random.default_rng(divide)
     base = rng.standard_normal(off).astype(np.float32)
     xs = []
@@ -565,11 +567,7 @@ def test_segmentwise_top_k_is_the_joined_encoding():
     the joined bucket's payload and the same residuals, bit for bit; with a leaf flagged
     to keep its residual, that leaf's old residual exactly and the others unchanged."""
     shapes = [(37, 11), (300,), (3,), (0,), (2000,)]
-    segs, off = [], 0
-    for shp in shapes:
-        size = math.prod(shp)
-        segs.append(Segment(off, size, size, shp))
-        off += size
+    segs, off = _leaf_segments(shapes)
     rng = np.random.default_rng(6)
     parts = [jnp.asarray(rng.standard_normal(s.size).astype(np.float32)) for s in segs]
     olds = [jnp.asarray(rng.standard_normal(s.size).astype(np.float32)) for s in segs]
