@@ -334,12 +334,6 @@ def _flat_order(cfg: ExchangeConfig) -> tuple:
     return flat_bucket.ravel_leaf, flat_bucket.unravel_leaf
 
 
-def _residual_order(cfg: ExchangeConfig) -> tuple:
-    """``(ravel, unravel)`` between a stored worker residual (in its leaf's shape) and its
-    part: the part's own order (``_flat_order``)."""
-    return _flat_order(cfg)
-
-
 def _direct(cfg: ExchangeConfig, plan: MeanPlan) -> bool:
     return cfg.compressor.lossless and plan.reducer in ("allreduce", "none")
 
@@ -363,7 +357,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
     segs = plan.segments
     ravel = _flat_order(cfg)[0]
-    res_ravel = _residual_order(cfg)[0]
+    res_ravel = _flat_order(cfg)[0]
     exchange = exchange_for(cfg.compressor)
     parts = [_pad(ravel(leaves[i].astype(jnp.float32)), s) for i, s in zip(comp_idx, segs)]
     zero_bad = plan.finite_flags and not cfg.compressor.leaf_local
@@ -490,7 +484,7 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
         out[i] = unravel(m, seg.shape).astype(leaves[i].dtype)
     new_residual = state.residual
     if comp is not None and comp.residuals:
-        ravel, unravel = _residual_order(cfg)
+        ravel, unravel = _flat_order(cfg)
         new_residual = tuple(unravel(
             (jnp.where(bad[k], ravel(state.residual[k]), e) if cfg.check_finite and not comp.kept
              else e).astype(cfg.residual_dtype),

@@ -29,9 +29,9 @@ class Exchange:
             state: Any, *, axis_name: Any, num_replicas: int, shared_key: jax.Array,
             init_key: jax.Array, count: jax.Array) -> tuple[list, list, Any, list]:
         """One step: ``(means, locals, new_state, finite)``, per segment arrays in the
-        shapes of ``parts`` (each its leaf's shape, unpadded) and a boolean scalar; ``means`` identical on every replica, ``locals`` what
-        error feedback subtracts from this replica's input, ``finite`` whether the
-        segment's mean is finite (identical on every replica; the transform flags the leaf
+        shapes of ``parts`` (each its leaf's shape, unpadded) and a boolean scalar;
+        ``means`` identical on every replica, ``locals`` what error feedback subtracts from
+        this replica's input, ``finite`` whether the segment's mean is finite (identical on every replica; the transform flags the leaf
         and keeps its residual where it is not). ``axis_name=None``: one replica, no collective.
         ``shared_key``: this step's key, ``init_key``: the key ``init_state`` was given,
         both replica 0's (the same on every replica even if processes were seeded apart)."""

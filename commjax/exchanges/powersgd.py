@@ -97,7 +97,7 @@ class _Step:
         self.shared = seeded(shared_key, c.seed)
         self.init_key = init_key
         self.first = None  # alternating: True at the first P-step (see first_q)
-        self.leaves = list(parts)  # each in its leaf's shape (or flat), unpadded
+        self.leaves = list(parts)  # each in its leaf's shape, unpadded
         # mats[g][j]: member j of group g as its m x n matrix (a reshape, no copy).
         self.mats = [[self.leaves[i].reshape(g.m, g.n) for i in g.members] for g in self.groups]
 
