@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["fmix32", "uniform"]
+__all__ = ["fmix32", "key_seed", "uniform", "uniform_at"]
 
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive positions apart
 
@@ -40,19 +40,30 @@ def fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+def key_seed(key: jax.Array, salt: int = 0) -> jax.Array:
+    """The ``uint32`` scalar ``seed = mix(salt, key words)`` of ``uniform``."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    words = jnp.ravel(key).astype(jnp.uint32)
+    s = fmix32(jnp.uint32(salt & 0xFFFFFFFF) * jnp.uint32(_GOLDEN) + jnp.uint32(0x632BE5AB))
+    for i in range(words.shape[0]):
+        s = fmix32(s ^ words[i])
+    return s
+
+
+def uniform_at(i: jax.Array, seed: jax.Array) -> jax.Array:
+    """``uniform``'s values at the ``uint32`` positions ``i`` for ``seed = key_seed(key,
+    salt)``: only 32-bit integer operations, so a Pallas kernel draws the same numbers."""
+    h = fmix32(i * jnp.uint32(_GOLDEN) + seed)
+    h = fmix32(h ^ (seed >> 7))
+    # h >> 8 < 2**24: as int32 the same value, and int-to-float is what every backend lowers.
+    return lax.bitcast_convert_type(h >> 8, jnp.int32).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def uniform(key: jax.Array, shape: tuple[int, ...], salt: int = 0, *, start: int = 0) -> jax.Array:
     """``float32`` numbers in ``[0, 1)`` of ``shape``, a pure function of ``key`` (a raw
     ``uint32`` key or a typed PRNG key), ``salt`` and the position. ``start`` is the
     position of the first value: ``uniform(k, (a + b,))[a:] == uniform(k, (b,), start=a)``,
     so a vector's noise can be drawn piece by piece."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    words = jnp.ravel(key).astype(jnp.uint32)
-    seed = fmix32(jnp.uint32(salt & 0xFFFFFFFF) * jnp.uint32(_GOLDEN) + jnp.uint32(0x632BE5AB))
-    for i in range(words.shape[0]):
-        seed = fmix32(seed ^ words[i])
-    size = math.prod(shape)
-    i = lax.iota(jnp.uint32, size) + jnp.uint32(start & 0xFFFFFFFF)
-    h = fmix32(i * jnp.uint32(_GOLDEN) + seed)
-    h = fmix32(h ^ (seed >> 7))
-    return ((h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)).reshape(shape)
+    i = lax.iota(jnp.uint32, math.prod(shape)) + jnp.uint32(start & 0xFFFFFFFF)
+    return uniform_at(i, key_seed(key, salt)).reshape(shape)

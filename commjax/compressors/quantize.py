@@ -51,6 +51,14 @@ def _uniforms(key: Optional[jax.Array], shape: tuple[int, ...], stochastic: bool
     return noise.uniform(key, shape, start=start)
 
 
+def _noise(key: Optional[jax.Array], stochastic: bool, start: int = 0) -> dict:
+    """``quantize_blocks``' noise arguments: the key of ``_uniforms``' numbers, which the
+    references draw where XLA fuses them and the lane-row kernel draws in-kernel."""
+    if stochastic and key is None:
+        raise ValueError("a stochastic compressor needs a PRNG key")
+    return dict(noise_key=key, noise_start=start) if stochastic else {}
+
+
 def _round_levels(x: jax.Array, c: jax.Array, key: Optional[jax.Array], stochastic: bool,
                   start: int = 0) -> jax.Array:
     """``R(x * c)`` for a non-negative ``c``; the product is rounded to fp32 before the
@@ -135,9 +143,8 @@ def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, level
     unclipped TernGrad), flat in and out, from one [`commjax.kernels.quantize_blocks`][]
     pass with ``output="residual"``."""
     nb = x.shape[0] // codec.block
-    u = _uniforms(key, (nb, codec.block), stochastic, start)
     rows, res = _kernels.quantize_blocks(
-        x.reshape(nb, codec.block), bits=codec.bits, levels=levels, uniforms=u,
+        x.reshape(nb, codec.block), bits=codec.bits, levels=levels, **_noise(key, stochastic, start),
         residual=residual.reshape(nb, codec.block), output="residual", impl=codec.kernels,
     )
     return rows.reshape(-1), res.reshape(-1)
@@ -177,9 +184,9 @@ class Quantize(_ScaledCodec):
         # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale],
         # fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
         # exactly these operations).
-        u = _uniforms(key, blocks.shape, self.stochastic_rounding, start)
-        return _kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, uniforms=u,
-                                        output=None, impl=self.kernels)[0]
+        return _kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, output=None,
+                                        **_noise(key, self.stochastic_rounding, start),
+                                        impl=self.kernels)[0]
 
     def encode_feedback(self, x, residual, key, *, start=0):
         """Error feedback fused with encoding: ``y = x + residual``, returns
@@ -250,9 +257,8 @@ class TernGrad(_ScaledCodec):
         if self.clip_sigma is None:
             # Unclipped TernGrad is 2-bit absmax quantization with L = 1 and stochastic
             # rounding: the same operations, so the same fused kernel.
-            u = _uniforms(key, blocks.shape, True, start)
-            return _kernels.quantize_blocks(blocks, bits=2, levels=1, uniforms=u, output=None,
-                                            impl=self.kernels)[0]
+            return _kernels.quantize_blocks(blocks, bits=2, levels=1, output=None,
+                                            **_noise(key, True, start), impl=self.kernels)[0]
         # The std of huge rows from 2**-64-scaled values: their squares would overflow.
         f = jnp.where(jnp.max(jnp.abs(blocks), axis=1, keepdims=True) > 2.0 ** 64, 2.0 ** -64, 1.0)
         sigma = jnp.std(blocks * f, axis=1, keepdims=True) / f

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -46,7 +47,8 @@ from commjax import packing
 from commjax.kernels._bits import unpack_tile
 from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
 from commjax.kernels._tiling import row_call, tile_rows
-from commjax.kernels.reference import decode_reference, decode_sum_reference, levels_of, row_steps
+from commjax.kernels.quantize import _lane_tile, lane_rowable
+from commjax.kernels.reference import decode_reference, decode_sum_reference, levels_of, plus_zero, row_steps
 
 __all__ = ["decode_rows", "decode_sum"]
 
@@ -83,7 +85,7 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
 
         @pl.when(k == 0)
         def _first():
-            o_ref[...] = jnp.zeros_like(value) + value
+            o_ref[...] = plus_zero(value)
 
         @pl.when(k > 0)
         def _rest():
@@ -105,6 +107,70 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
         **kwargs,
     )(rows, steps)
     return vary_like(out, (rows, steps))
+
+
+# --------------------------------------------------------------------------- lane rows
+
+
+def _lane_codes(row: jax.Array, j: int, *, bits: int, block_size: int) -> jax.Array:
+    """The codes of lane row ``j`` of each block of the wire rows ``row`` (``uint32[T, W
+    + 1]``), ``uint32[T, 128]``: code ``p = 128 j + l`` is bits ``[b s, b s + b)`` of word
+    ``p mod W``, ``s = p div W`` (``unpack_lane_rows``)."""
+    w = packing.packed_words(block_size, bits)
+    mask = jnp.uint32((1 << bits) - 1)
+    if w >= 128:
+        r, s = j % (w // 128), j // (w // 128)
+        return (row[:, r * 128:(r + 1) * 128] >> jnp.uint32(bits * s)) & mask
+    g = 128 // w
+    tiled = jnp.concatenate([row[:, :w]] * g, axis=1) if g > 1 else row[:, :w]
+    lane = lax.broadcasted_iota(jnp.int32, tiled.shape, 1)
+    shift = (bits * (j * g + lax.div(lane, w))).astype(jnp.uint32)
+    return (tiled >> shift) & mask
+
+
+def _decode_lanes(rows, *, accumulate: bool, divisor, interpret: Any = False, **opts):
+    """``decode_sum`` (``accumulate``) or, for one payload, ``decode_rows`` of ``uint32[N,
+    nb, W + 1]`` rows, written as lane rows ``[nb m, 128]``: the flat vector's own layout
+    on TPU, where ``[nb, B]`` rows are a relayout. Each payload is read once, the
+    scale from its own row, and the sum written once."""
+    replicas, nb, r = rows.shape
+    bits, block = opts["bits"], opts["block_size"]
+    m = block // 128
+    lanes = nb * m
+    tile = _lane_tile(lanes, m, bool(interpret))
+    tb = tile // m
+
+    def body(r_ref, o_ref):
+        row = r_ref[...]
+        scale = lax.bitcast_convert_type(row[:, r - 1:r], jnp.float32)
+        q = scale if divisor is None else scale / divisor
+        k = pl.program_id(1)
+        for j in range(m):
+            codes = _lane_codes(row, j, bits=bits, block_size=block)
+            value = fence(levels_of(codes, offset=opts["offset"], step=opts["step"]) * q, q)
+            at = pl.ds(j, tb, stride=m)
+            if not accumulate:
+                o_ref[at, :] = value
+                continue
+
+            @pl.when(k == 0)
+            def _first():
+                o_ref[at, :] = plus_zero(value)
+
+            @pl.when(k > 0)
+            def _rest():
+                o_ref[at, :] = o_ref[at, :] + value
+
+    kwargs: dict[str, Any] = {}
+    if not interpret:
+        kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+    out = pl.pallas_call(
+        body, out_shape=out_type((lanes, 128), jnp.float32), grid=(pl.cdiv(lanes, tile), replicas),
+        in_specs=[pl.BlockSpec((None, tb, r), lambda i, k: (k, i, 0))],
+        out_specs=pl.BlockSpec((tile, 128), lambda i, k: (i, 0)),
+        interpret=interpret, name=f"commjax_decode{bits}_lanes", **kwargs,
+    )(rows)
+    return vary_like(out, (rows,)).reshape(nb, block)
 
 
 def _options(bits: int, block_size: int, offset: int, step: int, divisor: Optional[int]) -> dict:
@@ -130,7 +196,11 @@ def decode_rows(rows: jax.Array, *, bits: int, block_size: int, offset: int, ste
     reference = functools.partial(decode_reference, **opts)
     if block_size % 32 or rows.shape[0] == 0:
         return reference(rows)
-    kernel = functools.partial(_decode_pallas, tile=tile, **opts)
+    if lane_rowable(block_size, bits):
+        def kernel(rows, **kw):
+            return _decode_lanes(rows[None], accumulate=False, **opts, **kw)
+    else:
+        kernel = functools.partial(_decode_pallas, tile=tile, **opts)
     return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(rows,))
 
 
@@ -148,5 +218,8 @@ def decode_sum(rows: jax.Array, *, bits: int, block_size: int, offset: int, step
     reference = functools.partial(decode_sum_reference, **opts)
     if block_size % 32 or rows.shape[1] == 0 or rows.shape[0] == 0:
         return reference(rows)
-    kernel = functools.partial(_decode_sum_pallas, tile=tile, **opts)
+    if lane_rowable(block_size, bits):
+        kernel = functools.partial(_decode_lanes, accumulate=True, **opts)
+    else:
+        kernel = functools.partial(_decode_sum_pallas, tile=tile, **opts)
     return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(rows,))

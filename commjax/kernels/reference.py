@@ -204,7 +204,7 @@ def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output:
     r = jnp.floor(q + u) if u is not None else jnp.round(q)
     codes = (jnp.clip(r, -levels, levels) + levels).astype(jnp.uint32)
     if uniforms is not None and output is not None:
-        codes = _codes_once(codes)
+        codes = _codes_once(codes, bits)
     words = packing.pack_lane_rows(codes, bits, b)
     rows = jnp.concatenate([words, lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)[:, None]], axis=1)
     if output is None:
@@ -223,14 +223,16 @@ def lane_absmax_constants(lanes: jax.Array, nb: int, *, levels: float):
     return absmax_constants(lax.bitcast_convert_type(top, jnp.float32), levels=levels)
 
 
-def _codes_once(codes: jax.Array) -> jax.Array:
+def _codes_once(codes: jax.Array, bits: int) -> jax.Array:
     """Stochastic codes that feed both the packing and the decode. On CPU written once as
     bytes (hashing the noise again in each consumer's loop cost more than the bytes);
     elsewhere left to the compiler, which recomputes the noise where it is read: the
     barrier's write and two reads of the codes were a v5e int8 step's largest cost (21M
     MLP: 1644 -> 1073 MB without it) and 62 MB of the H100's (1026 -> 964 MB)."""
+    narrow = jnp.uint8 if bits <= 8 else jnp.uint16  # codes < 2**bits
+
     def once(c):
-        return lax.optimization_barrier(c.astype(jnp.uint8)).astype(jnp.uint32)
+        return lax.optimization_barrier(c.astype(narrow)).astype(jnp.uint32)
     return lax.platform_dependent(codes, cpu=once, default=lambda c: c)
 
 
@@ -246,7 +248,7 @@ def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output
     lv = jnp.clip(r, -levels, levels)
     codes = (lv + levels).astype(jnp.uint32)
     if uniforms is not None and output is not None:
-        codes = _codes_once(codes)
+        codes = _codes_once(codes, bits)
     words = packing.pack_codes(codes, bits)
     scale_word = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
     rows = jnp.concatenate([words, scale_word[:, None]], axis=1)
@@ -386,10 +388,19 @@ def decode_block_rows(rows: jax.Array, *, bits: int, block_size: int, offset: in
     return fence(levels_of(codes, offset=offset, step=step) * q, q)
 
 
+def plus_zero(v: jax.Array) -> jax.Array:
+    """``0 + v`` as IEEE 754 defines it (``-0`` becomes ``+0``, all else unchanged), in a
+    form no compiler drops: XLA folds ``0 + v`` to ``v`` in some programs and not in
+    others, which made a sum that starts from zeros end in ``-0`` or ``+0``."""
+    return jnp.where(v == 0, jnp.float32(0.0), v)
+
+
 def decode_sum_reference(rows: jax.Array, **opts: Any) -> jax.Array:
     """Sum of ``decode_reference`` over the leading (replica) axis, in order, from
-    fp32 zeros."""
-    total = jnp.zeros((rows.shape[1], opts["block_size"]), jnp.float32)
-    for r in range(rows.shape[0]):
+    fp32 zeros (the first term through ``plus_zero``)."""
+    if rows.shape[0] == 0:
+        return jnp.zeros((rows.shape[1], opts["block_size"]), jnp.float32)
+    total = plus_zero(decode_reference(rows[0], **opts))
+    for r in range(1, rows.shape[0]):
         total = total + decode_reference(rows[r], **opts)
     return total
