@@ -147,8 +147,9 @@ def _kernel_inputs(nb: int, block: int, seed: int):
 def test_quantize_lane_kernel_is_the_reference(bits, block):
     """Every noise source (none, an array, a key drawn in-kernel at an offset), every
     output, with and without a residual: the same rows and outputs as the reference."""
+    from commjax.kernels import _tiling
     from commjax.kernels import quantize as Q
-    assert Q.lane_rowable(block, bits)
+    assert _tiling.lane_rowable(block, bits)
     x, e, u = _kernel_inputs(37, block, bits)
     key = jax.random.key(block)
     for noise in ({}, {"uniforms": u}, {"noise_key": key, "noise_start": 2 ** 32 - 300}):

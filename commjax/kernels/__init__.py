@@ -12,8 +12,9 @@ Kernels (references in ``commjax.kernels.reference``):
 
 * [`quantize_blocks`][commjax.kernels.quantize_blocks] -- error feedback + blockwise absmax
   quantization + packing in one pass (``cj.quantize`` 8/4/2 bits, TernGrad), stochastic rounding from
-  uniforms passed in; outputs the wire rows and, if asked, the decoded values or the
-  new residual;
+  uniforms passed in or drawn in-kernel from a key; outputs the wire rows and, if asked,
+  the decoded values or the new residual; blocks of whole 128-lane rows are read and
+  written as lane rows, the flat vector's own layout on TPU;
 * [`sign_blocks`][commjax.kernels.sign_blocks] -- error feedback + scaled sign + 1-bit packing;
 * [`decode_rows`][commjax.kernels.decode_rows], [`decode_sum`][commjax.kernels.decode_sum] --
   unpack + dequantize (+ sum over the ``N``

@@ -1,4 +1,5 @@
-"""Row-tiled ``pallas_call`` plumbing shared by the kernels (TPU and interpret mode).
+"""Row-tiled ``pallas_call`` plumbing shared by the kernels (TPU and interpret mode), and
+the tiling of the lane-row kernels (``lane_rowable``, ``lane_tile``).
 
 Every codec kernel works on *rows*: one row per codec block (``block_size`` floats in,
 ``row_words`` uint32 out). Rows are independent, so a kernel is a 1-D grid over tiles of
@@ -24,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from commjax.kernels._dispatch import out_type, vary_like
 
-__all__ = ["tile_rows", "row_call", "TPU_TILE_ELEMENTS"]
+__all__ = ["tile_rows", "row_call", "TPU_TILE_ELEMENTS", "lane_rowable", "lane_tile"]
 
 TPU_TILE_ELEMENTS = 1 << 17
 _INTERPRET_STEPS = 4
@@ -80,3 +81,22 @@ def row_call(
         **kwargs,
     )(*inputs)
     return tuple(vary_like(outs, inputs))
+
+
+def lane_rowable(block: int, bits: int) -> bool:
+    """Whether blocks of ``block`` values can be quantized as ``[n / 128, 128]`` lane rows
+    by the lane-row kernels: whole 128-lane rows, and a block's ``W`` packed words either
+    whole rows (``W % 128 == 0``) or an equal share of one (``128 % W == 0``)."""
+    if block % 128 or 32 % bits:
+        return False
+    w = block // (32 // bits)
+    return w % 128 == 0 or 128 % w == 0
+
+
+def lane_tile(lanes: int, m: int, interpret: bool) -> int:
+    """Lane rows per grid step: a multiple of ``8 m`` (whole blocks, and ``8``-row blocks of
+    wire rows), about ``TPU_TILE_ELEMENTS`` values on TPU, four steps in interpret mode."""
+    unit = 8 * m
+    t = -(-lanes // 4) if interpret else TPU_TILE_ELEMENTS // 128
+    t = max(unit, -(-t // unit) * unit)
+    return lanes if t >= lanes else t

@@ -26,7 +26,10 @@ payload once (``bits / 8 + 4 / B`` bytes per element and replica) and writes the
 sum once (4 bytes per element), where the reference materialises ``N`` decoded vectors.
 
 Lowerings: Mosaic TPU and interpret mode (``pallas_call`` over (row tiles, replicas),
-the replica axis innermost and accumulated in the output block). No GPU kernel: on CUDA
+the replica axis innermost and accumulated in the output block). Blocks of whole 128-lane
+rows whose packed words fill or evenly share a row (``_tiling.lane_rowable``) are
+written as lane rows ``[n / 128, 128]``, each block's scale read from its own row; other
+blocks as ``[nb, B]`` rows with the steps computed by XLA. No GPU kernel: on CUDA
 ``pallas`` runs the reference, which XLA fuses into less memory traffic than the Mosaic
 GPU kernels moved (``benchmarks/aot.py``). Blocks whose size is not a multiple of 32 use the
 reference everywhere.
@@ -46,8 +49,7 @@ from jax.experimental.pallas import tpu as pltpu
 from commjax import packing
 from commjax.kernels._bits import unpack_tile
 from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
-from commjax.kernels._tiling import row_call, tile_rows
-from commjax.kernels.quantize import _lane_tile, lane_rowable
+from commjax.kernels._tiling import lane_rowable, lane_tile, row_call, tile_rows
 from commjax.kernels.reference import decode_reference, decode_sum_reference, levels_of, plus_zero, row_steps
 
 __all__ = ["decode_rows", "decode_sum"]
@@ -137,7 +139,7 @@ def _decode_lanes(rows, *, accumulate: bool, divisor, interpret: Any = False, **
     bits, block = opts["bits"], opts["block_size"]
     m = block // 128
     lanes = nb * m
-    tile = _lane_tile(lanes, m, bool(interpret))
+    tile = lane_tile(lanes, m, bool(interpret))
     tb = tile // m
 
     def body(r_ref, o_ref):

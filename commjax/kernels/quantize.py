@@ -67,7 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 from commjax import noise, packing
 from commjax.kernels._bits import pack_tile
 from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
-from commjax.kernels._tiling import TPU_TILE_ELEMENTS, row_call, tile_rows
+from commjax.kernels._tiling import lane_rowable, lane_tile, row_call, tile_rows
 from commjax.kernels.reference import absmax_constants, quantize_reference, row_constants
 
 __all__ = ["quantize_blocks", "OUTPUTS"]
@@ -123,16 +123,6 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
 
 
 # --------------------------------------------------------------------------- lane rows
-
-
-def lane_rowable(block: int, bits: int) -> bool:
-    """Whether blocks of ``block`` values can be quantized as ``[n / 128, 128]`` lane rows
-    by ``_pallas_lanes``: whole 128-lane rows, and a block's ``W`` packed words either
-    whole rows (``W % 128 == 0``) or an equal share of one (``128 % W == 0``)."""
-    if block % 128 or 32 % bits:
-        return False
-    w = block // (32 // bits)
-    return w % 128 == 0 or 128 % w == 0
 
 
 def _lane_pack(codes: list, bits: int, block: int) -> jax.Array:
@@ -210,22 +200,13 @@ def _tile_noise(seed_ref, tile, m, j):
     return noise.uniform_at(lax.bitcast_convert_type(pos, jnp.uint32), seed)
 
 
-def _lane_tile(lanes: int, m: int, interpret: bool) -> int:
-    """Lane rows per grid step: a multiple of ``8 m`` (whole blocks, and ``8``-row blocks of
-    wire rows), about ``TPU_TILE_ELEMENTS`` values on TPU, four steps in interpret mode."""
-    unit = 8 * m
-    t = -(-lanes // 4) if interpret else TPU_TILE_ELEMENTS // 128
-    t = max(unit, -(-t // unit) * unit)
-    return lanes if t >= lanes else t
-
-
 def _pallas_lanes(x, uniforms, residual, key, start, *, bits, levels, output, interpret: Any = False):
     """``quantize_blocks`` as one pass over lane rows ``[n / 128, 128]`` (the flat
     vector's own layout on TPU; ``lane_rowable`` blocks)."""
     nb, block = x.shape
     m, w = block // 128, packing.packed_words(block, bits)
     lanes = nb * m
-    tile = _lane_tile(lanes, m, bool(interpret))
+    tile = lane_tile(lanes, m, bool(interpret))
     arrays = [a.reshape(lanes, 128) for a in (x, uniforms, residual) if a is not None]
     specs = [pl.BlockSpec((tile, 128), lambda i: (i, 0)) for _ in arrays]
     if key is not None:
