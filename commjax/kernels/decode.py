@@ -12,9 +12,9 @@ float32[nb, B]``.
 [`decode_sum`][commjax.kernels.decode.decode_sum] decodes the ``N`` payloads a replica receives in
 the two-phase
 reducer (or the all-gather reducer), ``uint32[N, nb, R] -> float32[nb, B]``, and sums them
-in replica order in fp32, starting from zeros exactly like the reducers' loop::
+in replica order in fp32, from the first payload's values::
 
-    acc = 0;  for r in 0..N-1:  acc = acc + round_fp32(decode(rows[r]))
+    acc = round_fp32(decode(rows[0]));  for r in 1..N-1:  acc = acc + round_fp32(decode(rows[r]))
 
 so that the sum is deterministic and identical on every replica. Every decoded value,
 summed or not, is rounded to fp32 before any later use
@@ -50,7 +50,7 @@ from commjax import packing
 from commjax.kernels._bits import unpack_tile
 from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
 from commjax.kernels._tiling import lane_rowable, lane_tile, row_call, tile_rows
-from commjax.kernels.reference import decode_reference, decode_sum_reference, levels_of, plus_zero, row_steps
+from commjax.kernels.reference import decode_reference, decode_sum_reference, levels_of, row_steps
 
 __all__ = ["decode_rows", "decode_sum"]
 
@@ -87,7 +87,7 @@ def _decode_sum_pallas(rows, *, tile, divisor, interpret: Any = False, **opts):
 
         @pl.when(k == 0)
         def _first():
-            o_ref[...] = plus_zero(value)
+            o_ref[...] = value
 
         @pl.when(k > 0)
         def _rest():
@@ -157,7 +157,7 @@ def _decode_lanes(rows, *, accumulate: bool, divisor, interpret: Any = False, **
 
             @pl.when(k == 0)
             def _first():
-                o_ref[at, :] = plus_zero(value)
+                o_ref[at, :] = value
 
             @pl.when(k > 0)
             def _rest():

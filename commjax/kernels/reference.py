@@ -388,19 +388,14 @@ def decode_block_rows(rows: jax.Array, *, bits: int, block_size: int, offset: in
     return fence(levels_of(codes, offset=offset, step=step) * q, q)
 
 
-def plus_zero(v: jax.Array) -> jax.Array:
-    """``0 + v`` as IEEE 754 defines it (``-0`` becomes ``+0``, all else unchanged), in a
-    form no compiler drops: XLA folds ``0 + v`` to ``v`` in some programs and not in
-    others, which made a sum that starts from zeros end in ``-0`` or ``+0``."""
-    return jnp.where(v == 0, jnp.float32(0.0), v)
-
-
 def decode_sum_reference(rows: jax.Array, **opts: Any) -> jax.Array:
-    """Sum of ``decode_reference`` over the leading (replica) axis, in order, from
-    fp32 zeros (the first term through ``plus_zero``)."""
+    """Sum of ``decode_reference`` over the leading (replica) axis, in order, from the
+    first term (not from zeros: ``0 + v`` is ``v`` but for ``v = -0``, and compilers fold
+    the addition in some programs and not in others, so a sum from zeros ended in ``-0``
+    or ``+0`` depending on the program)."""
     if rows.shape[0] == 0:
         return jnp.zeros((rows.shape[1], opts["block_size"]), jnp.float32)
-    total = plus_zero(decode_reference(rows[0], **opts))
+    total = decode_reference(rows[0], **opts)
     for r in range(1, rows.shape[0]):
         total = total + decode_reference(rows[r], **opts)
     return total
