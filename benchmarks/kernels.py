@@ -85,6 +85,11 @@ def make_ops(n: int, block: int, replicas: int, key: jax.Array) -> dict:
             lambda impl, x, u, e, b=bits: kernels.quantize_blocks(x, bits=b, uniforms=u, residual=e,
                                                                   output="residual", impl=impl),
             (x, u, e), n * (16 + bits / 8 + per_scale))
+    # Noise drawn from a key (in-kernel where the kernel reads lane rows): 12 bytes, not 16.
+    ops["quantize8_ef_key"] = (
+        lambda impl, x, e, k: kernels.quantize_blocks(x, bits=8, noise_key=k, noise_start=n, residual=e,
+                                                      output="residual", impl=impl),
+        (x, e, jax.random.key_data(ku)), n * (12 + 1 + per_scale))
     ops["quantize4"] = (lambda impl, x, u: kernels.quantize_blocks(x, bits=4, uniforms=u, output=None, impl=impl)[0],
                         (x, u), n * (8 + 0.5 + per_scale))
     ops["sign_ef"] = (lambda impl, x, e: kernels.sign_blocks(x, residual=e, output="residual", impl=impl),
@@ -176,6 +181,13 @@ def check(args) -> dict:
                             x, bits=b, uniforms=u if s else None, residual=e if o == "residual" else None,
                             output=o, impl=impl),
                         (x, u, e))
+        key = jnp.asarray(rng.integers(0, 2 ** 32, 2, dtype=np.uint32))
+        for bits in (8, 4):  # noise drawn from a key: in-kernel by the lane-row kernel
+            for output in (None, "residual"):
+                fns[f"quantize{bits}_key_{output}"] = (
+                    lambda impl, x, e, k, b=bits, o=output: kernels.quantize_blocks(
+                        x, bits=b, noise_key=k, noise_start=n, residual=e if o else None, output=o, impl=impl),
+                    (x, e, key))
         for output in (None, "decoded", "residual"):
             fns[f"sign_{output}"] = (lambda impl, x, e, o=output: kernels.sign_blocks(
                 x, residual=e if o == "residual" else None, output=o, impl=impl), (x, e))
