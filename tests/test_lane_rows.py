@@ -175,3 +175,14 @@ def test_decode_lane_kernels_are_the_reference(bits, offset, step, divisor, bloc
     kw = dict(bits=bits, block_size=block, offset=offset, step=step, divisor=divisor)
     _same_bits([D.decode_sum(rows, impl="interpret", **kw), D.decode_rows(rows[1], impl="interpret", **kw)],
           [D.decode_sum(rows, impl="reference", **kw), D.decode_rows(rows[1], impl="reference", **kw)])
+
+
+@pytest.mark.parametrize("fmt,block", [("e4m3", 256), ("e5m2", 512), ("e4m3", 128)])
+def test_fp8_lane_kernel_is_the_reference(fmt, block):
+    """The FP8 encode as a lane-row kernel: every noise source, every output, blocks across
+    the float range: the reference's rows and outputs, bit for bit."""
+    x, e, u = _kernel_inputs(37, block, 11)
+    for noise in ({}, {"uniforms": u}, {"noise_key": jax.random.key(block), "noise_start": 5}):
+        for output, res in ((None, None), ("decoded", None), ("residual", e)):
+            kw = dict(fmt=fmt, output=output, residual=res, **noise)
+            _same_bits(F.fp8_blocks(x, impl="interpret", **kw), F.fp8_blocks(x, impl="reference", **kw))

@@ -29,7 +29,6 @@ from typing import ClassVar, Optional
 import jax
 
 from commjax import kernels as _kernels
-from commjax import noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
 from commjax.kernels.fp8 import FP8_FORMATS, fp8_blocks, fp8_decode
 from commjax.validation import check_bool
@@ -67,16 +66,18 @@ class Fp8(BlockCompressor):
         """``F``: the format's largest normal, onto which each block's absmax maps."""
         return FP8_FORMATS[self.format].fmax
 
-    def _uniforms(self, key: Optional[jax.Array], shape: tuple, start: int) -> Optional[jax.Array]:
+    def _noise(self, key: Optional[jax.Array], start: int) -> dict:
+        """``fp8_blocks``' noise arguments: the key of ``commjax.noise.uniform``'s numbers
+        (drawn in-kernel by the lane-row kernel, where XLA fuses them by the reference)."""
         if not self.stochastic_rounding:
-            return None
+            return {}
         if key is None:
             raise ValueError("fp8(stochastic=True) needs a PRNG key")
-        return noise.uniform(key, shape, start=start)
+        return dict(noise_key=key, noise_start=start)
 
     def encode_blocks(self, blocks, key, start=0):
-        u = self._uniforms(key, blocks.shape, start)
-        return fp8_blocks(blocks, fmt=self.format, uniforms=u, output=None, impl=self.kernels)[0]
+        return fp8_blocks(blocks, fmt=self.format, output=None, impl=self.kernels,
+                          **self._noise(key, start))[0]
 
     def decode_blocks(self, rows):
         return fp8_decode(rows, fmt=self.format)
@@ -85,10 +86,9 @@ class Fp8(BlockCompressor):
         """``(encode(y), y - decode(encode(y)))`` for ``y = x + residual`` from one pass of
         [`commjax.kernels.fp8.fp8_blocks`][] (``output="residual"``)."""
         nb = x.shape[0] // self.block_size
-        u = self._uniforms(key, (nb, self.block_size), start)
-        rows, res = fp8_blocks(x.reshape(nb, self.block_size), fmt=self.format, uniforms=u,
+        rows, res = fp8_blocks(x.reshape(nb, self.block_size), fmt=self.format,
                                residual=residual.reshape(nb, self.block_size), output="residual",
-                               impl=self.kernels)
+                               impl=self.kernels, **self._noise(key, start))
         return rows.reshape(-1), res.reshape(-1)
 
     def payload_finite(self, words):

@@ -22,8 +22,11 @@ with probability equal to the distance from the one below over the spacing: unbi
 Computing the grid with integer and power-of-two arithmetic keeps FP8 dtypes out of the
 kernel body, which Mosaic may not lower, and makes every implementation agree.
 
-Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``). Blocks whose size
-is not a multiple of 128 use the reference everywhere.
+Lowerings: Mosaic TPU and interpret mode: blocks of whole 128-lane rows in one pass over
+lane rows (``commjax.kernels._lanes``: absmax, codes, words and output in registers, the
+noise drawn in-kernel from ``noise_key``), other multiples of 128 as ``[nb, B]`` rows
+with XLA's constants. Blocks whose size is not a multiple of 128 use the reference
+everywhere.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commjax import noise
 from commjax.kernels._dispatch import dispatch, fence, pow2, resolve_impl
-from commjax.kernels._tiling import row_call, tile_rows
+from commjax.kernels._lanes import lane_encode
+from commjax.kernels._tiling import lane_rowable, row_call, tile_rows
 from commjax.kernels.reference import by_platform, feedback_sum, lane_absmax_constants, row_constants
 from commjax.packing import pack_lane_rows, unpack_lane_rows
 
@@ -166,6 +171,8 @@ def fp8_blocks(
     uniforms: Optional[jax.Array] = None,
     residual: Optional[jax.Array] = None,
     output: Optional[str] = "decoded",
+    noise_key: Optional[jax.Array] = None,
+    noise_start: int = 0,
     tile: Optional[int] = None,
     impl: Optional[str] = None,
 ) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -174,8 +181,9 @@ def fp8_blocks(
     Returns ``(rows, out)``: ``uint32[nb, B/4 + 1]`` wire rows and the requested
     ``float32[nb, B]`` output (``output``: ``"decoded"``, ``"residual"`` or ``None``).
     ``fmt``: ``"e4m3"`` or ``"e5m2"``; ``uniforms``: noise for stochastic rounding
-    (``None``: nearest, half to even); ``impl``: as for
-    [`commjax.kernels.quantize_blocks`][].
+    (``None``: nearest, half to even), or ``noise_key`` and ``noise_start`` to draw it
+    (as [`commjax.kernels.quantize_blocks`][]: in-kernel for lane-row blocks); ``impl``:
+    as for [`commjax.kernels.quantize_blocks`][].
     """
     if fmt not in FP8_FORMATS or output not in _OUTPUTS:
         raise ValueError(f"fp8_blocks: `fmt` must be one of {tuple(FP8_FORMATS)} and `output` one "
@@ -183,12 +191,28 @@ def fp8_blocks(
     if x.ndim != 2 or x.shape[1] % 4:
         raise ValueError(f"fp8_blocks: `x` must be [num_blocks, block_size] with block_size a "
                          f"multiple of 4, got shape {x.shape}.")
+    if noise_key is not None and uniforms is not None:
+        raise ValueError("fp8_blocks: pass `uniforms` or `noise_key`, not both.")
     impl = resolve_impl(impl, "fp8_blocks")
-    reference = functools.partial(fp8_reference, fmt=fmt, output=output)
+    f = FP8_FORMATS[fmt]
+
+    def drawn(fn):  # fn(x, u, e) with u drawn from the key where one is given
+        def run(x, u, e, key, **kw):
+            return fn(x, u if key is None else noise.uniform(key, x.shape, start=noise_start), e, **kw)
+        return run
+
+    reference = drawn(functools.partial(fp8_reference, fmt=fmt, output=output))
+    args = (x, uniforms, residual, noise_key)
     if x.shape[1] % 128 or x.shape[0] == 0:
-        return reference(x, uniforms, residual)
-    kernel = functools.partial(_pallas, fmt=fmt, output=output, tile=tile)
-    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=(x, uniforms, residual))
+        return reference(*args)
+    if lane_rowable(x.shape[1], 8):
+        def kernel(x, u, e, key, **kw):
+            return lane_encode(x, u, e, key, noise_start, bits=8, levels=int(f.fmax), output=output,
+                               codes=lambda y, c, u: _fp8_codes(y, u, c, f),
+                               name=f"commjax_fp8_{fmt}_lanes", **kw)
+    else:
+        kernel = drawn(functools.partial(_pallas, fmt=fmt, output=output, tile=tile))
+    return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=args)
 
 
 def fp8_decode(rows: jax.Array, *, fmt: str) -> jax.Array:

@@ -61,14 +61,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-
 from commjax import noise, packing
 from commjax.kernels._bits import pack_tile
-from commjax.kernels._dispatch import dispatch, fence, out_type, resolve_impl, vary_like
-from commjax.kernels._tiling import lane_rowable, lane_tile, row_call, tile_rows
-from commjax.kernels.reference import absmax_constants, quantize_reference, row_constants
+from commjax.kernels._dispatch import dispatch, fence, resolve_impl
+from commjax.kernels._lanes import lane_encode
+from commjax.kernels._tiling import lane_rowable, row_call, tile_rows
+from commjax.kernels.reference import quantize_reference, row_constants
 
 __all__ = ["quantize_blocks", "OUTPUTS"]
 
@@ -122,114 +120,13 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
     return outs[0], (outs[1] if output is not None else None)
 
 
-# --------------------------------------------------------------------------- lane rows
-
-
-def _lane_pack(codes: list, bits: int, block: int) -> jax.Array:
-    """``pack_lane_rows`` of one tile, from the block's ``m`` lane rows given apart
-    (``codes[j]``: row ``j`` of every block, ``uint32[T / m, 128]``), as lane-aligned
-    ORs and lane rotations: ``uint32[T / m, max(W, 128)]``, word ``i`` in lane ``i``."""
-    k = 32 // bits
-    w, m = block // k, len(codes)
-    if w >= 128:  # word row r: slots s at rows s W / 128 + r of the block
-        return jnp.concatenate([
-            functools.reduce(jnp.bitwise_or, [codes[s * (w // 128) + r] << jnp.uint32(bits * s)
-                                             for s in range(k)])
-            for r in range(w // 128)], axis=1)
-    g = 128 // w  # slots per lane row: slot j g + l // W of row j sits in lane l
-    comb = functools.reduce(jnp.bitwise_or, [codes[j] << jnp.uint32(bits * j * g) for j in range(m)])
-    return functools.reduce(jnp.bitwise_or, [
-        (pltpu.roll(comb, 128 - q * w, 1) if q else comb) << jnp.uint32(bits * q) for q in range(g)])
-
-
-def _lane_body(*refs, bits, levels, block, tile, output, has_e, has_u, has_key):
-    """One tile of ``tile`` lane rows (``tile / m`` blocks): ``y = x + e``, each block's
-    absmax, codes, wire rows and the requested output, in one pass over ``x`` and ``e``.
-    Block ``b``'s row ``j`` is lane row ``b m + j``: read and written with stride ``m``."""
-    refs = list(refs)
-    seed = refs.pop(0) if has_key else None
-    x_ref = refs.pop(0)
-    u_ref = refs.pop(0) if has_u else None
-    e_ref = refs.pop(0) if has_e else None
-    row_ref = refs.pop(0)
-    m = block // 128
-    tb = tile // m
-
-    def rows(ref, j):
-        return ref[pl.ds(j, tb, stride=m), :].astype(jnp.float32)
-
-    ys = [rows(x_ref, j) + rows(e_ref, j) if has_e else rows(x_ref, j) for j in range(m)]
-    top = functools.reduce(jnp.maximum, [
-        jnp.max(lax.bitcast_convert_type(y, jnp.int32) & 0x7FFFFFFF, axis=1, keepdims=True)
-        for y in ys])
-    scale, c, step = absmax_constants(lax.bitcast_convert_type(top, jnp.float32), levels=levels)
-    codes = []
-    for j, y in enumerate(ys):
-        q = fence(y * c, c)
-        if has_u:
-            r = jnp.floor(q + rows(u_ref, j))
-        elif has_key:
-            r = jnp.floor(q + _tile_noise(seed, tile, m, j))
-        else:
-            r = jnp.round(q)
-        codes.append((jnp.clip(r, -levels, levels) + levels).astype(jnp.int32).astype(jnp.uint32))
-    words = _lane_pack(codes, bits, block)
-    w = packing.packed_words(block, bits)
-    scale_word = lax.bitcast_convert_type(scale, jnp.uint32)
-    if w < 128:
-        lane = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-        row = jnp.where(lane < w, words, jnp.where(lane == w, scale_word, jnp.uint32(0)))
-        row_ref[...] = row[:, :w + 1]
-    else:
-        row_ref[:, :w] = words
-        row_ref[:, w:w + 1] = scale_word
-    if output is not None:
-        out_ref = refs.pop(0)
-        for j, (y, cj) in enumerate(zip(ys, codes)):
-            dec = fence((cj.astype(jnp.int32) - levels).astype(jnp.float32) * step, step)
-            out_ref[pl.ds(j, tb, stride=m), :] = dec if output == "decoded" else y - dec
-
-
-def _tile_noise(seed_ref, tile, m, j):
-    """``commjax.noise.uniform`` at lane rows ``j, j + m, ...`` of this tile, drawn
-    in-kernel: ``seed_ref`` holds ``(seed, start)`` as int32 (positions wrap mod 2**32)."""
-    shape = (tile // m, 128)
-    r = lax.broadcasted_iota(jnp.int32, shape, 0) * m + (j + pl.program_id(0) * tile)
-    pos = r * 128 + lax.broadcasted_iota(jnp.int32, shape, 1) + seed_ref[1]
-    seed = lax.bitcast_convert_type(jnp.full(shape, seed_ref[0], jnp.int32), jnp.uint32)
-    return noise.uniform_at(lax.bitcast_convert_type(pos, jnp.uint32), seed)
-
-
-def _pallas_lanes(x, uniforms, residual, key, start, *, bits, levels, output, interpret: Any = False):
-    """``quantize_blocks`` as one pass over lane rows ``[n / 128, 128]`` (the flat
-    vector's own layout on TPU; ``lane_rowable`` blocks)."""
-    nb, block = x.shape
-    m, w = block // 128, packing.packed_words(block, bits)
-    lanes = nb * m
-    tile = lane_tile(lanes, m, bool(interpret))
-    arrays = [a.reshape(lanes, 128) for a in (x, uniforms, residual) if a is not None]
-    specs = [pl.BlockSpec((tile, 128), lambda i: (i, 0)) for _ in arrays]
-    if key is not None:
-        seed = lax.bitcast_convert_type(noise.key_seed(key), jnp.int32)
-        start = lax.bitcast_convert_type(jnp.uint32(start & 0xFFFFFFFF), jnp.int32)
-        arrays.insert(0, jnp.stack([seed, start]))
-        specs.insert(0, pl.BlockSpec(memory_space=pltpu.SMEM))
-    out_shape = [out_type((nb, w + 1), jnp.uint32)]
-    out_specs = [pl.BlockSpec((tile // m, w + 1), lambda i: (i, 0))]
-    if output is not None:
-        out_shape.append(out_type((lanes, 128), jnp.float32))
-        out_specs.append(pl.BlockSpec((tile, 128), lambda i: (i, 0)))
-    body = functools.partial(_lane_body, bits=bits, levels=levels, block=block, tile=tile,
-                             output=output, has_e=residual is not None,
-                             has_u=uniforms is not None, has_key=key is not None)
-    kwargs: dict[str, Any] = {}
-    if not interpret:
-        kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel",))
-    outs = pl.pallas_call(body, out_shape=out_shape, grid=(pl.cdiv(lanes, tile),), in_specs=specs,
-                          out_specs=out_specs, interpret=interpret,
-                          name=f"commjax_quantize{bits}_lanes", **kwargs)(*arrays)
-    outs = vary_like(outs, [a for a in (x, uniforms, residual) if a is not None])
-    return outs[0], (outs[1].reshape(nb, block) if output is not None else None)
+def _int_codes(y, c, u, *, levels: int):
+    """The lane-row kernel's codes of ``y`` (``codes``, ``codes - L`` as fp32): ``u`` the
+    noise, ``None`` for nearest rounding."""
+    q = fence(y * c, c)
+    r = jnp.round(q) if u is None else jnp.floor(q + u)
+    codes = (jnp.clip(r, -levels, levels) + levels).astype(jnp.int32)
+    return codes.astype(jnp.uint32), (codes - levels).astype(jnp.float32)
 
 
 def _check(x, uniforms, residual, bits, levels, output) -> int:
@@ -306,7 +203,9 @@ def quantize_blocks(
         return reference(*args)
     if lane_rowable(x.shape[1], bits):
         def kernel(x, u, e, key, **kw):
-            return _pallas_lanes(x, u, e, key, noise_start, **opts, **kw)
+            return lane_encode(x, u, e, key, noise_start, bits=bits, levels=levels, output=output,
+                               codes=functools.partial(_int_codes, levels=levels),
+                               name=f"commjax_quantize{bits}_lanes", **kw)
     else:
         kernel = drawn(functools.partial(_pallas, tile=tile, **opts))
     return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=args)
