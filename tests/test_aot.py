@@ -348,21 +348,21 @@ def _tpu_program_traffic(target: str, fn, *shapes) -> float:
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 @pytest.mark.parametrize("target", ["v5e:2x4", "v5p:2x2x2"])
 def test_lane_row_kernels_make_one_pass_on_tpu(target):
-    """Compiled for a TPU, the lane-row quantize kernel (int8, stochastic from a key, with
-    a residual) reads ``x`` and ``e`` once and writes the wire rows and the new residual
-    once (within 25%, the copy that flattens the wire rows included), at most 60% of the
-    reference's traffic; the decode-and-sum kernel
-    of 8 payloads moves no more than the reference. (A 16M-value bucket: a v5e keeps 4M
-    values' intermediates in its on-chip memory, where XLA's reference is one pass too.)"""
+    """Compiled for a TPU, the lane-row encode kernels (int8 and fp8, stochastic from a
+    key, with a residual) read ``x`` and ``e`` once and write the wire rows and the new
+    residual once (within 25%, the copy that flattens the wire rows included), at most
+    60% of their references' traffic; the decode-and-sum kernel of 8 payloads moves no
+    more than the reference. (A 16M-value bucket: a v5e keeps 4M values' intermediates
+    in its on-chip memory, where XLA's reference is one pass too.)"""
     from commjax import kernels
     n, block = 1 << 24, 256
     nb = n // block
     f32, u32 = jnp.float32, jnp.uint32
 
-    def encode(impl):
+    def encode(impl, codec=kernels.quantize_blocks, **kw):
         def f(x, e, key):
-            rows, res = kernels.quantize_blocks(x.reshape(nb, block), bits=8, residual=e.reshape(nb, block),
-                                                output="residual", noise_key=key, impl=impl)
+            rows, res = codec(x.reshape(nb, block), residual=e.reshape(nb, block), output="residual",
+                              noise_key=key, impl=impl, **kw)
             return rows.reshape(-1), res.reshape(-1)
         return _tpu_program_traffic(target, f, ((n,), f32), ((n,), f32), ((2,), u32))
 
@@ -372,6 +372,7 @@ def test_lane_row_kernels_make_one_pass_on_tpu(target):
         return _tpu_program_traffic(target, f, ((8, nb, 65), u32))
 
     one_pass = 3 * 4 * n + nb * 128 * 4  # x, e read, residual written; rows padded to 128 lanes
-    kernel, ref = encode("pallas"), encode("reference")
-    assert kernel <= 1.25 * one_pass and kernel <= 0.6 * ref, (kernel, one_pass, ref)
+    for name, kw in (("int8", dict(bits=8)), ("fp8", dict(codec=kernels.fp8_blocks, fmt="e4m3"))):
+        kernel, ref = encode("pallas", **kw), encode("reference", **kw)
+        assert kernel <= 1.25 * one_pass and kernel <= 0.6 * ref, (name, kernel, one_pass, ref)
     assert decode("pallas") <= decode("reference"), (decode("pallas"), decode("reference"))
