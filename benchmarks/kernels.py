@@ -188,6 +188,13 @@ def check(args) -> dict:
                     lambda impl, x, e, k, b=bits, o=output: kernels.quantize_blocks(
                         x, bits=b, noise_key=k, noise_start=n, residual=e if o else None, output=o, impl=impl),
                     (x, e, key))
+        for fmt in ("e4m3", "e5m2"):
+            for noise in ("nearest", "key"):
+                fns[f"fp8_{fmt}_{noise}_residual"] = (
+                    lambda impl, x, e, k, f=fmt, z=noise: kernels.fp8_blocks(
+                        x, fmt=f, residual=e, output="residual", impl=impl,
+                        **(dict(noise_key=k, noise_start=n) if z == "key" else {})),
+                    (x, e, key))
         for output in (None, "decoded", "residual"):
             fns[f"sign_{output}"] = (lambda impl, x, e, o=output: kernels.sign_blocks(
                 x, residual=e if o == "residual" else None, output=o, impl=impl), (x, e))
