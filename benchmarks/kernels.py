@@ -248,7 +248,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", nargs="*", default=None, help="only these benchmark entries")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<platform>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels[_check]_<platform>[_<impl>].json)")
     args = p.parse_args()
     backend = jax.default_backend()
     if backend == "cpu" and args.impl == "pallas":
@@ -266,7 +266,8 @@ def main() -> int:
     result = check(args) if args.check else benchmark(args)
     result.update(info=info)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"kernels_{'check_' if args.check else ''}{backend}.json")
+                                   f"kernels_{'check_' if args.check else ''}{backend}"
+                                   f"{'' if args.impl == 'pallas' else '_' + args.impl}.json")
     write_results(out, result)
     return 0 if result.get("all_identical", True) else 1
 
