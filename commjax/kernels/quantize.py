@@ -22,8 +22,9 @@ TernGrad is the case ``bits=2, L=1`` with stochastic rounding.
 
 Two kernels, one pass each:
 
-* **lane rows** (blocks of whole 128-lane rows whose packed words fill or evenly share
-  a row, ``lane_rowable``: 8/4/16-bit codes in blocks of 128, 256, 512, ...): the flat
+* **lane rows** (``commjax.kernels._lanes``; blocks of whole 128-lane rows whose packed
+  words fill or evenly share a row, ``_tiling.lane_rowable``: 8/4/16-bit codes in blocks
+  of 128, 256, 512, ...): the flat
   vector seen as ``[n / 128, 128]``, its own memory layout on TPU. Block ``b`` is lane
   rows ``b m .. b m + m - 1`` (``m = B / 128``); a tile reads them with stride ``m``,
   takes each block's absmax, ``c = L / s`` and the codes in registers, and writes the
@@ -33,7 +34,7 @@ Two kernels, one pass each:
   ([`commjax.noise.uniform_at`][], 32-bit integer operations), the same numbers as
   the reference draws; or read from ``uniforms``. On a 16M-value bucket compiled for a
   TPU v5e (``x``, ``e``; stochastic; the new residual) it moves 220 MB against the
-  reference's 489 MB (``benchmarks/aot.py``).
+  reference's 489 MB (``tests/test_aot.py`` bounds it at 1.25x one pass).
 * **block rows** (other block sizes that are multiples of 32): one row of ``[nb, B]``
   per block; XLA first reads ``x`` (and ``e``) for the per-block constants
   (``commjax.kernels.reference.row_constants``), then the kernel reads ``x``, ``e`` and
@@ -44,7 +45,7 @@ takes XLA's quotients: bit equality of the two divisions on a TPU is part of the
 on-device check that must pass before ``auto`` runs the kernels there
 (``commjax.kernels._dispatch``); in interpret mode both are XLA's.
 
-Lowerings: Mosaic TPU and interpret mode (row-tiled ``pallas_call``). No GPU kernel: on CUDA
+Lowerings: Mosaic TPU and interpret mode (tiled ``pallas_call``). No GPU kernel: on CUDA
 ``pallas`` runs the reference, which XLA fuses into less memory traffic than the Mosaic
 GPU kernels moved (``benchmarks/aot.py``). Blocks whose size is not a multiple of 32 use the
 reference everywhere. Inputs must be finite (``compressed_mean`` zeroes non-finite
