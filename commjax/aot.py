@@ -49,7 +49,7 @@ from commjax.accounting import parse_hlo_collectives
 from commjax.sync import InBackwardSync
 
 __all__ = ["Target", "TARGETS", "target_mesh", "compile_update", "compile_train", "analyze",
-           "abstract"]
+           "abstract", "compile_per_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +111,15 @@ def abstract(tree: Any, mesh: Mesh, specs: Any) -> Any:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, specs)), tree)
     return jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), tree, specs)
+
+
+def compile_per_device(fn: Callable[..., Any], mesh: Mesh, *shapes: tuple):
+    """``fn`` compiled as each device of ``mesh`` runs it (``shard_map``, every input
+    replicated: Mosaic kernels are not partitioned automatically) on inputs given as
+    ``(shape, dtype)``: how a kernel or codec alone compiles for the target."""
+    sm = _compat.shard_map(fn, mesh=mesh, in_specs=tuple(P() for _ in shapes), out_specs=P(), check_vma=False)
+    args = [abstract(jax.ShapeDtypeStruct(s, d), mesh, P()) for s, d in shapes]
+    return jax.jit(sm).lower(*args).compile()
 
 
 def _state(tx, params, mesh, axis_name, per_replica_params=False):

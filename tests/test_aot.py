@@ -337,12 +337,10 @@ def test_top_k_step_scratch_on_h100():
 
 
 def _tpu_program_traffic(target: str, fn, *shapes) -> float:
-    """HBM traffic of ``fn`` compiled for ``target``, run per device under ``shard_map``
-    (Mosaic kernels are not partitioned automatically) on ``(shape, dtype)`` inputs."""
-    mesh = aot.target_mesh(target)
-    sm = _compat.shard_map(fn, mesh=mesh, in_specs=tuple(P() for _ in shapes), out_specs=P(), check_vma=False)
-    args = [aot.abstract(jax.ShapeDtypeStruct(s, d), mesh, P()) for s, d in shapes]
-    return hlo.traffic(hlo.parse(jax.jit(sm).lower(*args).compile().as_text())).straight
+    """HBM traffic of ``fn`` compiled for ``target``, run per device on ``(shape, dtype)``
+    inputs (``aot.compile_per_device``)."""
+    compiled = aot.compile_per_device(fn, aot.target_mesh(target), *shapes)
+    return hlo.traffic(hlo.parse(compiled.as_text())).straight
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")

@@ -27,11 +27,13 @@ def _inputs(block: int, seed: int = 0, inf: bool = True):
     return x, e, u
 
 
-def _same(a, b):
+def _same(a, b, bits: bool = False):
+    """Equal values (``bits``: equal bit patterns) output by output."""
+    view = (lambda v: np.asarray(v).view(np.uint32)) if bits else np.asarray
     for p, q in zip(a, b):
         assert (p is None) == (q is None)
         if p is not None:
-            np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+            np.testing.assert_array_equal(view(p), view(q))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8, 16])
@@ -125,13 +127,6 @@ def test_cast_lane_rows(dtype, block):
 # interpret mode against the references, bit for bit.
 
 
-def _same_bits(a, b):
-    for p, q in zip(a, b):
-        assert (p is None) == (q is None)
-        if p is not None:
-            np.testing.assert_array_equal(np.asarray(p).view(np.uint32), np.asarray(q).view(np.uint32))
-
-
 def _kernel_inputs(nb: int, block: int, seed: int):
     """``nb`` blocks across the float range (MAGS), with a NaN and an Inf block, and a
     residual; ``nb`` not a multiple of the tile, so the last tile is ragged."""
@@ -157,7 +152,7 @@ def test_quantize_lane_kernel_is_the_reference(bits, block):
             kw = dict(bits=bits, output=output, residual=res, **noise)
             got = Q.quantize_blocks(x, impl="interpret", **kw)
             want = Q.quantize_blocks(x, impl="reference", **kw)
-            _same_bits(got, want)
+            _same(got, want, bits=True)
 
 
 @pytest.mark.parametrize("bits,offset,step,divisor", [(8, 127, 1, 127), (4, 7, 1, 7), (16, 5, 1, 3),
@@ -173,8 +168,8 @@ def test_decode_lane_kernels_are_the_reference(bits, offset, step, divisor, bloc
     scales = jnp.resize(jnp.array([1.0, 3e38, 1e-39, jnp.nan, 0.5, 0.0, 2e-30], jnp.float32), (3, nb))
     rows = rows.at[..., -1].set(jax.lax.bitcast_convert_type(scales, jnp.uint32))
     kw = dict(bits=bits, block_size=block, offset=offset, step=step, divisor=divisor)
-    _same_bits([D.decode_sum(rows, impl="interpret", **kw), D.decode_rows(rows[1], impl="interpret", **kw)],
-          [D.decode_sum(rows, impl="reference", **kw), D.decode_rows(rows[1], impl="reference", **kw)])
+    _same([D.decode_sum(rows, impl="interpret", **kw), D.decode_rows(rows[1], impl="interpret", **kw)],
+          [D.decode_sum(rows, impl="reference", **kw), D.decode_rows(rows[1], impl="reference", **kw)], bits=True)
 
 
 @pytest.mark.parametrize("fmt,block", [("e4m3", 256), ("e5m2", 512), ("e4m3", 128)])
@@ -185,4 +180,4 @@ def test_fp8_lane_kernel_is_the_reference(fmt, block):
     for noise in ({}, {"uniforms": u}, {"noise_key": jax.random.key(block), "noise_start": 5}):
         for output, res in ((None, None), ("decoded", None), ("residual", e)):
             kw = dict(fmt=fmt, output=output, residual=res, **noise)
-            _same_bits(F.fp8_blocks(x, impl="interpret", **kw), F.fp8_blocks(x, impl="reference", **kw))
+            _same(F.fp8_blocks(x, impl="interpret", **kw), F.fp8_blocks(x, impl="reference", **kw), bits=True)

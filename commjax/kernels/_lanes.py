@@ -28,7 +28,7 @@ from commjax.kernels._dispatch import fence, out_type, vary_like
 from commjax.kernels._tiling import lane_tile
 from commjax.kernels.reference import absmax_constants
 
-__all__ = ["lane_encode", "lane_pack"]
+__all__ = ["lane_encode", "lane_pack", "drawn", "check_noise"]
 
 
 def lane_pack(codes: list, bits: int, block: int) -> jax.Array:
@@ -133,3 +133,19 @@ def lane_encode(x, uniforms, residual, key, start: int, *, codes: Callable, bits
                           out_specs=out_specs, interpret=interpret, name=name, **kwargs)(*arrays)
     outs = vary_like(outs, [a for a in (x, uniforms, residual) if a is not None])
     return outs[0], (outs[1].reshape(nb, block) if output is not None else None)
+
+
+def check_noise(uniforms: Optional[jax.Array], key: Optional[jax.Array], where: str) -> None:
+    """The encoders take their noise as ``uniforms`` or as ``noise_key``, not both."""
+    if uniforms is not None and key is not None:
+        raise ValueError(f"{where}: pass `uniforms` or `noise_key`, not both.")
+
+
+def drawn(fn: Callable, start: int) -> Callable:
+    """``fn(x, u, e, **kw)`` as ``run(x, u, e, key, **kw)``: with a ``key``,
+    ``u = commjax.noise.uniform(key, x.shape, start=start)``, drawn where XLA fuses it.
+    The references and block-row kernels take noise this way; ``lane_encode`` draws it
+    in-kernel from the same key."""
+    def run(x, u, e, key, **kw):
+        return fn(x, u if key is None else noise.uniform(key, x.shape, start=start), e, **kw)
+    return run

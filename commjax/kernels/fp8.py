@@ -38,9 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax import noise
 from commjax.kernels._dispatch import dispatch, fence, pow2, resolve_impl
-from commjax.kernels._lanes import lane_encode
+from commjax.kernels._lanes import check_noise, drawn, lane_encode
 from commjax.kernels._tiling import lane_rowable, row_call, tile_rows
 from commjax.kernels.reference import by_platform, feedback_sum, lane_absmax_constants, row_constants
 from commjax.packing import pack_lane_rows, unpack_lane_rows
@@ -191,17 +190,10 @@ def fp8_blocks(
     if x.ndim != 2 or x.shape[1] % 4:
         raise ValueError(f"fp8_blocks: `x` must be [num_blocks, block_size] with block_size a "
                          f"multiple of 4, got shape {x.shape}.")
-    if noise_key is not None and uniforms is not None:
-        raise ValueError("fp8_blocks: pass `uniforms` or `noise_key`, not both.")
+    check_noise(uniforms, noise_key, "fp8_blocks")
     impl = resolve_impl(impl, "fp8_blocks")
     f = FP8_FORMATS[fmt]
-
-    def drawn(fn):  # fn(x, u, e) with u drawn from the key where one is given
-        def run(x, u, e, key, **kw):
-            return fn(x, u if key is None else noise.uniform(key, x.shape, start=noise_start), e, **kw)
-        return run
-
-    reference = drawn(functools.partial(fp8_reference, fmt=fmt, output=output))
+    reference = drawn(functools.partial(fp8_reference, fmt=fmt, output=output), noise_start)
     args = (x, uniforms, residual, noise_key)
     if x.shape[1] % 128 or x.shape[0] == 0:
         return reference(*args)
@@ -211,7 +203,7 @@ def fp8_blocks(
                                codes=lambda y, c, u: _fp8_codes(y, u, c, f),
                                name=f"commjax_fp8_{fmt}_lanes", **kw)
     else:
-        kernel = drawn(functools.partial(_pallas, fmt=fmt, output=output, tile=tile))
+        kernel = drawn(functools.partial(_pallas, fmt=fmt, output=output, tile=tile), noise_start)
     return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=args)
 
 

@@ -33,8 +33,8 @@ Two kernels, one pass each:
   The noise ``u`` is drawn in-kernel from ``noise_key`` at each value's position
   ([`commjax.noise.uniform_at`][], 32-bit integer operations), the same numbers as
   the reference draws; or read from ``uniforms``. On a 16M-value bucket compiled for a
-  TPU v5e (``x``, ``e``; stochastic; the new residual) it moves 220 MB against the
-  reference's 489 MB (``tests/test_aot.py`` bounds it at 1.25x one pass).
+  TPU v5e (``x``, ``e``; stochastic; the new residual) it moves 218 MB against the
+  reference's 487 MB (``benchmarks/aot_encode.py``).
 * **block rows** (other block sizes that are multiples of 32): one row of ``[nb, B]``
   per block; XLA first reads ``x`` (and ``e``) for the per-block constants
   (``commjax.kernels.reference.row_constants``), then the kernel reads ``x``, ``e`` and
@@ -62,10 +62,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from commjax import noise, packing
+from commjax import packing
 from commjax.kernels._bits import pack_tile
 from commjax.kernels._dispatch import dispatch, fence, resolve_impl
-from commjax.kernels._lanes import lane_encode
+from commjax.kernels._lanes import check_noise, drawn, lane_encode
 from commjax.kernels._tiling import lane_rowable, row_call, tile_rows
 from commjax.kernels.reference import quantize_reference, row_constants
 
@@ -187,17 +187,10 @@ def quantize_blocks(
       ``float32[nb, B]`` output (``None`` if ``output is None``).
     """
     levels = _check(x, uniforms, residual, bits, levels, output)
-    if noise_key is not None and uniforms is not None:
-        raise ValueError("quantize_blocks: pass `uniforms` or `noise_key`, not both.")
+    check_noise(uniforms, noise_key, "quantize_blocks")
     impl = resolve_impl(impl, "quantize_blocks")
     opts = dict(bits=bits, levels=levels, output=output)
-
-    def drawn(fn):  # fn(x, u, e) with u drawn from the key where one is given
-        def run(x, u, e, key, **kw):
-            return fn(x, u if key is None else noise.uniform(key, x.shape, start=noise_start), e, **kw)
-        return run
-
-    reference = drawn(functools.partial(quantize_reference, **opts))
+    reference = drawn(functools.partial(quantize_reference, **opts), noise_start)
     args = (x, uniforms, residual, noise_key)
     # Levels below 4 can need a per-row pre-scale (row_prescale) the kernels do not take.
     if x.shape[1] % 32 or x.shape[0] == 0 or levels < 4:
@@ -208,5 +201,5 @@ def quantize_blocks(
                                codes=functools.partial(_int_codes, levels=levels),
                                name=f"commjax_quantize{bits}_lanes", **kw)
     else:
-        kernel = drawn(functools.partial(_pallas, tile=tile, **opts))
+        kernel = drawn(functools.partial(_pallas, tile=tile, **opts), noise_start)
     return dispatch(reference, impl=impl, tpu=kernel, interpret=kernel, args=args)
