@@ -65,10 +65,13 @@ def _digest(text: str) -> str:
 
 def describe(value: Any) -> str:
     """A stable text of an option: dataclasses (codecs) field by field, ``kernels`` left
-    out (every implementation computes the same bits); dtypes by name."""
+    out (every implementation computes the same bits), and a field added later
+    (``metadata={"fingerprint_if_set": True}``) left out while it holds its default, so
+    the fingerprints of states made before it existed do not change; dtypes by name."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = [f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value)
-                  if f.name != "kernels"]
+                  if f.name != "kernels" and not (f.metadata.get("fingerprint_if_set")
+                                                  and getattr(value, f.name) == f.default)]
         return f"{type(value).__name__}({', '.join(fields)})"
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(describe(v) for v in value) + ")"

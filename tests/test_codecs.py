@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import commjax as cj
 from commjax import packing
+from commjax.fingerprint import describe
 from commjax.packing import pack_codes, packed_words, unpack_codes
 
 BLOCK_CODECS = {
@@ -20,6 +21,7 @@ BLOCK_CODECS = {
     "q8_nearest": cj.quantize(8, stochastic=False),
     "q4_nearest": cj.quantize(4, stochastic=False),
     "q2_nearest": cj.quantize(2, stochastic=False),
+    "q2_clip": cj.quantize(2, block_size=128, stochastic=False, clip_rms=1.22),
     "q4_block100": cj.quantize(4, block_size=100),
     "qsgd": cj.qsgd(),
     "qsgd7": cj.qsgd(levels=7, block_size=64),
@@ -268,6 +270,12 @@ def test_payload_bytes_match_encoded_size():
         (cj.sign, {"block_size": 0}, "block_size"),
         (cj.terngrad, {"block_size": 2.5}, "block_size"),
         (cj.terngrad, {"clip_sigma": -1.0}, "clip_sigma"),
+        (cj.quantize, {"clip_rms": 0.0}, "clip_rms"),
+        (cj.quantize, {"clip_rms": -1.0}, "clip_rms"),
+        (cj.quantize, {"clip_rms": float("nan")}, "clip_rms"),
+        (cj.quantize, {"clip_rms": float("inf")}, "clip_rms"),
+        (cj.quantize, {"clip_rms": True}, "clip_rms"),
+        (cj.quantize, {"clip_rms": "1.2"}, "clip_rms"),
         (cj.cast, {"dtype": jnp.int8}, "dtype"),
     ],
 )
@@ -281,6 +289,65 @@ def test_compressors_are_immutable_and_hashable():
     with pytest.raises(Exception):
         c.num_bits = 8  # type: ignore[misc]
     assert hash(c) == hash(cj.quantize(4)) and c == cj.quantize(4)
+
+
+def _mse(codec, x):
+    return float(jnp.sum(jnp.square(codec.roundtrip(x) - x)) / jnp.sum(jnp.square(x)))
+
+
+@pytest.mark.parametrize("bits,clip,most,gain", [(2, 1.22, 0.2, 0.35), (4, 2.5, 0.0125, 0.92)])
+def test_clip_rms_cuts_the_error_of_nearest_codes(bits, clip, most, gain):
+    """Gaussian blocks of 128: clipping at ``c`` RMS lowers the squared error below the
+    absmax scale's (2 bits: 0.19 of the energy against 0.59; 4 bits: 0.0122 against
+    0.0136), as the docstring of ``quantize`` says."""
+    x = jax.random.normal(jax.random.PRNGKey(bits), (128 * 512,))
+    plain = _mse(cj.quantize(bits, block_size=128, stochastic=False), x)
+    clipped = _mse(cj.quantize(bits, block_size=128, stochastic=False, clip_rms=clip), x)
+    assert clipped <= most and clipped < gain * plain, (clipped, plain)
+
+
+def test_clip_rms_codes_do_not_depend_on_magnitude():
+    """Scaling a vector by a power of two from 2**-100 to 2**100 leaves every code as it
+    is and scales every block's scale exactly: no overflow or underflow of the RMS."""
+    q = cj.quantize(2, block_size=128, stochastic=False, clip_rms=1.22)
+    x = _x(128 * 64, seed=5)
+    rows = np.asarray(q.encode(x, None)).reshape(64, q.row_words)
+    for k in range(-100, 101, 25):
+        got = np.asarray(q.encode(x * jnp.float32(2.0 ** k), None)).reshape(64, q.row_words)
+        np.testing.assert_array_equal(got[:, :-1], rows[:, :-1], err_msg=str(k))
+        np.testing.assert_array_equal(got[:, -1].view(np.float32),
+                                      rows[:, -1].view(np.float32) * np.float32(2.0 ** k))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_clip_rms_flags_nonfinite_blocks_and_leaves_the_others(bits):
+    """A block holding NaN or Inf still gets a non-finite scale (flagged, as unclipped);
+    the other blocks encode as they do alone; the residual of error feedback is what the
+    decode misses, clipped excess included, bit for bit."""
+    q = cj.quantize(bits, block_size=64, stochastic=False, clip_rms=2.0)
+    x = np.asarray(_x(64 * 6, seed=bits)).copy()
+    alone = np.asarray(q.encode(jnp.asarray(x), None)).reshape(6, -1)
+    x[70], x[200] = np.nan, -np.inf
+    rows = np.asarray(q.encode(jnp.asarray(x), None)).reshape(6, -1)
+    scales = rows[:, -1].view(np.float32)
+    assert not np.isfinite(scales[1]) and not np.isfinite(scales[3])
+    np.testing.assert_array_equal(rows[[0, 2, 4, 5]], alone[[0, 2, 4, 5]])
+    y, e = _x(64 * 6, seed=7), _x(64 * 6, seed=8) * 0.1
+    words, res = q.encode_feedback(y, e, None)
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(q.encode(y + e, None)))
+    np.testing.assert_array_equal(np.asarray(res), np.asarray((y + e) - q.decode(words, y.size)))
+
+
+def test_clip_rms_kernels_and_fingerprint():
+    """The Pallas path (interpret mode) encodes the clipped blocks to the same bits; an
+    unclipped codec's fingerprint text is what it was before the option existed."""
+    x = _x(256 * 8, seed=9)
+    for bits in (8, 4):
+        ref = cj.quantize(bits, stochastic=False, clip_rms=2.5, kernels="reference")
+        ker = cj.quantize(bits, stochastic=False, clip_rms=2.5, kernels="interpret")
+        np.testing.assert_array_equal(np.asarray(ref.encode(x, None)), np.asarray(ker.encode(x, None)))
+    assert describe(cj.quantize(4)) == "Quantize(block_size=256, num_bits=4, stochastic_rounding=True)"
+    assert "clip_rms=2.5" in describe(cj.quantize(4, clip_rms=2.5))
 
 
 # Property tests over shapes, sizes and dtypes for every codec.

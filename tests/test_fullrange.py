@@ -44,6 +44,7 @@ CODECS = {
     "q4": (cj.quantize(4, block_size=64), ("allgather", "two_phase"), 0.6),
     "q4_nearest": (cj.quantize(4, stochastic=False), ("two_phase",), 0.3),
     "q2": (cj.quantize(2, block_size=64), ("allgather", "two_phase"), 4.0),
+    "q2_clip": (cj.quantize(2, block_size=64, stochastic=False, clip_rms=1.22), ("two_phase",), 2.0),
     "qsgd": (cj.qsgd(), ("allgather", "two_phase"), 1.5),
     "terngrad": (cj.terngrad(), ("allgather", "two_phase"), 4.0),
     "terngrad_clip": (cj.terngrad(clip_sigma=2.5), ("allgather",), 2.0),

@@ -31,7 +31,7 @@ from jax import lax
 from commjax import kernels as _kernels
 from commjax import noise
 from commjax.compressors.base import BlockCompressor, check_choice, check_positive_int
-from commjax.validation import check_bool
+from commjax.validation import check_bool, check_float
 from commjax.kernels.reference import TINY, row_absmax, row_prescale, safe_recip
 from commjax.packing import packed_words
 
@@ -150,6 +150,23 @@ def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, level
     return rows.reshape(-1), res.reshape(-1)
 
 
+def _clip_to_rms(blocks: jax.Array, clip: float) -> jax.Array:
+    """Each row clipped to ``+-clip * rms(row)``, ``rms = sqrt(mean(x**2))``; rows with a
+    NaN or an Inf pass unchanged (their absmax flags them, as without clipping).
+
+    The RMS is ``amax * rms(x / amax)`` with the row first scaled by ``2**-64`` (huge) or
+    ``2**64`` (tiny), so its squares neither overflow nor underflow and ``x / amax`` is
+    a true quotient (XLA turns a division by a row constant into a product with its
+    reciprocal, which is not finite past ``2**128``): clipping depends only on the
+    row's shape, not its magnitude, over the whole float range."""
+    amax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
+    f = jnp.where(amax > 2.0 ** 64, 2.0 ** -64, jnp.where(amax < 2.0 ** -64, 2.0 ** 64, 1.0))
+    unit = (blocks * f) / jnp.where(amax > 0, amax * f, 1.0)
+    bound = jnp.float32(clip) * amax * jnp.sqrt(jnp.mean(jnp.square(unit), axis=1, keepdims=True))
+    bound = jnp.where(jnp.isfinite(amax), jnp.minimum(bound, amax), jnp.inf)
+    return jnp.clip(blocks, -bound, bound)
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantize(_ScaledCodec):
     """Blockwise absmax quantization to ``bits`` in {8, 4, 2} (see
@@ -157,6 +174,10 @@ class Quantize(_ScaledCodec):
 
     num_bits: int = 8
     stochastic_rounding: bool = True
+    # Left out of the state's fingerprint while None: states made before the option
+    # existed keep theirs (commjax.fingerprint.describe).
+    clip_rms: Optional[float] = dataclasses.field(default=None, kw_only=True,
+                                                  metadata={"fingerprint_if_set": True})
     name: ClassVar[str] = "quantize"
 
     @property
@@ -183,7 +204,9 @@ class Quantize(_ScaledCodec):
     def encode_blocks(self, blocks, key, start=0):
         # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale],
         # fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
-        # exactly these operations).
+        # exactly these operations). Clipping, if asked, is a pass before it.
+        if self.clip_rms is not None:
+            blocks = _clip_to_rms(blocks, self.clip_rms)
         return _kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, output=None,
                                         **_noise(key, self.stochastic_rounding, start),
                                         impl=self.kernels)[0]
@@ -192,7 +215,10 @@ class Quantize(_ScaledCodec):
         """Error feedback fused with encoding: ``y = x + residual``, returns
         ``(encode(y), y - decode(encode(y)))`` from one kernel pass
         ([`commjax.kernels.quantize_blocks`][] with ``output="residual"``), the same
-        bits as encoding, decoding and subtracting."""
+        bits as encoding, decoding and subtracting. Clipped: encode, decode, subtract
+        (the residual keeps what the clipping cut off)."""
+        if self.clip_rms is not None:
+            return super().encode_feedback(x, residual, key, start=start)
         return _absmax_feedback(self, x, residual, key, start, levels=self.levels,
                                 stochastic=self.stochastic_rounding)
 
@@ -281,7 +307,7 @@ class TernGrad(_ScaledCodec):
 
 
 def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
-             kernels: Optional[str] = None) -> Quantize:
+             clip_rms: Optional[float] = None, kernels: Optional[str] = None) -> Quantize:
     """Blockwise absmax quantization.
 
     Each block of ``block_size`` elements sends its scale ``s = max_i |x_i|`` (fp32) and
@@ -291,10 +317,25 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
     Bits per element: ``bits + 32 / block_size`` (8.125, 4.125, 2.125 at the default
     block of 256).
 
+    **Clipping** (``clip_rms=c``): each block is first clipped to ``+-c * rms`` (``rms =
+    sqrt(mean_i x_i**2)`` of the block), so ``s = min(max |x|, c * rms)``: outliers lose
+    their excess, every other value gets finer steps. With few levels this is most of
+    the error: for 2-bit codes ({-1, 0, +1}) rounded to nearest, the squared error of
+    Gaussian blocks of 128 is 0.59 of their energy with the absmax scale and 0.19 at
+    ``c = 1.22`` (the minimum; 0.26 at 1.22 for Laplace data, 0.39 for Student-t(3)).
+    4-bit codes gain about a tenth (0.0122 against 0.0136 at ``c = 2.5``); 8-bit codes
+    only lose (their absmax step is already fine).
+    Biased (the clipped excess is lost), so meant for nearest rounding with error
+    feedback or a reference that takes the error back (``cc.ppermute``'s delta modes),
+    where the residual keeps what was cut off. Same wire format and decode; the encode
+    costs one more pass over the block.
+
     Args:
       bits: code width, one of 8, 4, 2 (2 bits gives the levels {-1, 0, +1}).
       block_size: elements per scale; multiples of 32 waste no packing space.
       stochastic: unbiased stochastic rounding (default) or round-to-nearest.
+      clip_rms: ``c > 0`` clips each block to ``+-c`` times its RMS before the scale is
+        taken (``None``: no clipping, the absmax scale).
       kernels: the [`commjax.kernels`][] implementation that encodes and decodes:
         ``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``
         (``$COMMJAX_KERNELS`` if set, else ``"auto"``). The bits do not depend on it.
@@ -303,8 +344,12 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
     check_positive_int("block_size", block_size, factory="quantize")
     _kernels.check_impl(kernels, "quantize", "kernels")
     stochastic = check_bool("stochastic", stochastic, factory="quantize")
+    if clip_rms is not None:
+        # An RMS is at least max|x| / sqrt(block_size): below 1 / sqrt(block_size) every
+        # block would be clipped; past sqrt(block_size) none is.
+        clip_rms = check_float("clip_rms", clip_rms, 0.0, math.inf, factory="quantize", lo_open=True)
     return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=stochastic,
-                    kernels=kernels)
+                    clip_rms=clip_rms, kernels=kernels)
 
 
 def qsgd(levels: int = 16, block_size: int = 256, *, kernels: Optional[str] = None) -> QSGD:
