@@ -35,6 +35,7 @@ import optax
 from jax import lax
 
 from commjax import _compat, bucket as flat_bucket, ef21, guards, validation
+from commjax.bucketing import bucketed
 from commjax.fingerprint import check_made_for, describe, made_for
 from commjax.collectives._exact import exact_mean
 from commjax.collectives._reducers import check_reducer, reduce_parts
@@ -277,7 +278,7 @@ def _exact_stage(cfg: ExchangeConfig, leaves, plan: MeanPlan, n_rep: int,
         pieces = _real_parts(leaves[i])
         parts += pieces
         owners += [i] * len(pieces)
-    shared = _key_parts(cfg, key, n_rep)
+    shared = _key_parts(cfg, key, n_rep) if plan.segments else []  # nothing compressed: no key
     means, extra = exact_mean(parts + flags + shared, cfg.axis_name, n_rep,
                               extra=[leaves[i] for i in direct])
     out = {i: _from_real_parts([m for m, o in zip(means, owners) if o == i], leaves[i])
@@ -588,6 +589,7 @@ def compressed_mean(
     check_finite: bool = True,
     num_replicas: Optional[int] = None,
     seed: int = 0,
+    bucket_bytes: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """Replace per-replica gradients by a compressed estimate of their mean over ``axis_name``.
 
@@ -644,10 +646,19 @@ def compressed_mean(
         ``shard_map`` (default: the axis size if bound, else ``jax.device_count()``).
         Only the two-phase server residual depends on it.
       seed: seed of the replicated PRNG key (stochastic rounding, random masks).
+      bucket_bytes: exchange the leaves in buckets of at most this many bytes of fp32
+        values, in tree order, one bucket after the other ([`commjax.bucketing`][]): the
+        step's scratch memory is then one bucket's instead of the whole tree's, and on a
+        TPU buckets of a few MB keep the codec's intermediates on chip (v5e, GPT-2-small,
+        int8 at 16 MB: HBM traffic 3.36x -> about 1.8x the exact step's; results in
+        ``docs/accelerators.md``). Each bucket sends its own exact all-reduce and
+        payload (one more set of collectives per bucket) and draws its randomness from
+        ``seed + k``. ``None`` (default): one bucket.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
-      [`CompressedMeanState`][commjax.transform.CompressedMeanState].
+      [`CompressedMeanState`][commjax.transform.CompressedMeanState] (with
+      ``bucket_bytes``: a [`commjax.bucketing.BucketedState`][] of one per bucket).
       Per-replica parts: ``residual``, ``server_residual``; replicated: ``count``, ``key``.
       Lay it out for ``shard_map`` with [`commjax.shard_state`][] and
       [`commjax.state_specs`][].
@@ -661,6 +672,14 @@ def compressed_mean(
                    compress_vectors=compress_vectors, server_error_feedback=server_error_feedback,
                    check_finite=check_finite, seed=seed, min_compress_size=min_compress_size,
                    residual_dtype=residual_dtype, num_replicas=num_replicas)
+    if bucket_bytes is not None:
+        validation.check_positive_int("bucket_bytes", bucket_bytes, factory="compressed_mean")
+        options = dict(inner_axis_name=inner_axis_name, error_feedback=error_feedback, reducer=reducer,
+                       min_compress_size=min_compress_size, compress_vectors=compress_vectors,
+                       residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
+                       check_finite=check_finite, num_replicas=num_replicas)
+        return bucketed(lambda k: compressed_mean(compressor, axis_name, seed=int(seed) + k, **options),
+                        int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes")
     cfg = ExchangeConfig(
         compressor=compressor, axis_name=validation.normalize_axis(axis_name),
         inner_axis_name=validation.normalize_axis(inner_axis_name),
