@@ -4,6 +4,7 @@ bytes, kernels and the overlap of the exchange, against the exact step of the sa
     pip install -e '.[aot]'     # jax[tpu] and jax[cuda12] at the pinned version
     python benchmarks/aot.py --target v5e:2x4 --model mlp21m
     python benchmarks/aot.py --target h100x8 --model gpt2s --methods exact,int8,sign
+    python benchmarks/aot.py --target v5e:2x4 --model gpt2s --bucket-mb 16   # bucket_bytes=16 MB
 
 For each method the update step (each replica's gradient in, parameters and state out;
 `commjax.aot.compile_update`) is compiled for the target and read by `commjax.aot.analyze`.
@@ -146,40 +147,54 @@ def measure_train(target: str, names: list, model: str = "gpt2s") -> list:
     return rows
 
 
-def methods() -> dict:
-    """name -> (transform, family): the family names the exact row it is compared with."""
+#: The compressed means measured: name -> (codec, compressed_mean options).
+MEANS = {
+    "exact": (cj.identity(), {}),
+    "bf16": (cj.cast(jnp.bfloat16), {}),
+    "int8": (cj.quantize(8), {}),
+    "int4": (cj.quantize(4), {}),
+    "sign": (cj.sign(), {}),
+    "fp8": (cj.fp8(), {}),
+    "top_k_1pct": (cj.top_k(0.01), {}),
+    "powersgd_r4": (cj.powersgd(4), {}),
+    # int8 with one default after another switched off: what each costs in the step.
+    "int8_nearest": (cj.quantize(8, stochastic=False), {}),
+    "int8_nearest_no_guard": (cj.quantize(8, stochastic=False), {"check_finite": False}),
+    "int8_nearest_no_guard_no_feedback": (cj.quantize(8, stochastic=False), {
+        "check_finite": False, "error_feedback": False, "server_error_feedback": False}),
+    "int8_pallas": (cj.quantize(8, kernels="pallas"), {}),
+    "int4_pallas": (cj.quantize(4, kernels="pallas"), {}),
+    "sign_pallas": (cj.sign(kernels="pallas"), {}),
+    "fp8_pallas": (cj.fp8(kernels="pallas"), {}),
+}
+
+
+def methods(bucket_bytes: Any = None) -> dict:
+    """name -> (transform, family): the family names the exact row it is compared with.
+    With ``bucket_bytes`` every compressed mean runs in buckets of that size
+    (``compressed_mean(bucket_bytes=...)``) except the ``exact`` row, the baseline; the
+    exact mean in the same buckets is ``exact_bucketed``; no ZeRO rows."""
     sgd = optax.sgd(0.1)
-    mean = lambda c, **kw: (optax.chain(cj.compressed_mean(c, "data", **kw), sgd), "mean")  # noqa: E731
+
+    def mean(codec, options, buckets=bucket_bytes):
+        return optax.chain(cj.compressed_mean(codec, "data", bucket_bytes=buckets, **options), sgd), "mean"
+
+    rows = {name: mean(*spec, buckets=None if name == "exact" else bucket_bytes) for name, spec in MEANS.items()}
+    if bucket_bytes is not None:
+        return {"exact": rows.pop("exact"), "exact_bucketed": mean(*MEANS["exact"]), **rows}
     adam = optax.adam(1e-3)
-    return {
-        "exact": mean(cj.identity()),
-        "bf16": mean(cj.cast(jnp.bfloat16)),
-        "int8": mean(cj.quantize(8)),
-        "int4": mean(cj.quantize(4)),
-        "sign": mean(cj.sign()),
-        "fp8": mean(cj.fp8()),
-        "top_k_1pct": mean(cj.top_k(0.01)),
-        "powersgd_r4": mean(cj.powersgd(4)),
-        # int8 with one default after another switched off: what each costs in the step.
-        "int8_nearest": mean(cj.quantize(8, stochastic=False)),
-        "int8_nearest_no_guard": mean(cj.quantize(8, stochastic=False), check_finite=False),
-        "int8_nearest_no_guard_no_feedback": mean(cj.quantize(8, stochastic=False), check_finite=False,
-                                                  error_feedback=False, server_error_feedback=False),
-        "int8_pallas": mean(cj.quantize(8, kernels="pallas")),
-        "int4_pallas": mean(cj.quantize(4, kernels="pallas")),
-        "sign_pallas": mean(cj.sign(kernels="pallas")),
-        "fp8_pallas": mean(cj.fp8(kernels="pallas")),
+    return rows | {
         "zero_exact": (cj.zero(adam, "data"), "zero"),
         "zero_int8": (cj.zero(adam, "data", grad_codec=cj.quantize(8), weight_codec=cj.quantize(8)), "zero"),
         "zero_q4_qwd4": (cj.zero(adam, "data", grad_codec=cj.quantize(4), weight_codec=cj.quantize(4)), "zero"),
     }
 
 
-def measure(target: str, model: str, names: list, dump: Any = None) -> list:
+def measure(target: str, model: str, names: list, dump: Any = None, bucket_bytes: Any = None) -> list:
     params = models()[model]
     mesh = aot.target_mesh(target)
     grad_bytes = sum(4 * a.size for a in jax.tree_util.tree_leaves(params))
-    table = methods()
+    table = methods(bucket_bytes)
     rows = []
     for name in names:
         tx, family = table[name]
@@ -240,7 +255,10 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--target", default="v5e:2x4", choices=sorted(aot.TARGETS))
     ap.add_argument("--model", default="mlp21m", choices=sorted(set(models()) | set(TRAIN_MODELS)),
                     help="the update step's parameters, or with --train the train model (default gpt2s)")
-    ap.add_argument("--methods", default=",".join(methods()))
+    ap.add_argument("--methods", default=None, help="comma-separated rows (default: all)")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="every compressed mean in buckets of this many MB (compressed_mean("
+                         "bucket_bytes=...)); written to aot_<target>_<model>_b<MB>m.json")
     ap.add_argument("--dump", default=None, help="also write each compiled HLO into this folder")
     ap.add_argument("--train", action="store_true",
                     help="the train step of a model (--model gpt2s or mlp8x2048): overlap of the "
@@ -248,12 +266,15 @@ def main(argv: Any = None) -> int:
     args = ap.parse_args(argv)
     if args.train:
         return _main_train(args, argv)
-    names = args.methods.split(",")
-    if "exact" not in names and any(methods()[n][1] == "mean" for n in names):
+    bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
+    table_ = methods(bucket)
+    names = list(table_) if args.methods is None else args.methods.split(",")
+    if "exact" not in names and any(table_[n][1] == "mean" for n in names):
         names = ["exact"] + names
-    rows = measure(args.target, args.model, names, args.dump)
+    rows = measure(args.target, args.model, names, args.dump, bucket)
     print(table(rows))
-    out = RESULTS / f"aot_{args.target.replace(':', '_')}_{args.model}.json"
+    suffix = "" if bucket is None else f"_b{args.bucket_mb:g}m"
+    out = RESULTS / f"aot_{args.target.replace(':', '_')}_{args.model}{suffix}.json"
     write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
                         "target": args.target, "model": args.model, "jax": jax.__version__, "rows": rows})
     return 0
@@ -261,7 +282,7 @@ def main(argv: Any = None) -> int:
 
 def _main_train(args: argparse.Namespace, argv: Any) -> int:
     default = "pmean,exact,int8,int8_in_backward,int4,int4_in_backward,sign,sign_in_backward,powersgd_r4,powersgd_r4_in_backward"
-    names = (default if args.methods == ",".join(methods()) else args.methods).split(",")
+    names = (default if args.methods is None else args.methods).split(",")
     model = args.model if args.model in TRAIN_MODELS else "gpt2s"
     rows = measure_train(args.target, names, model)
     out = RESULTS / f"aot_{args.target.replace(':', '_')}_train_{model}.json"
