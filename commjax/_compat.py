@@ -29,6 +29,7 @@ __all__ = [
     "varying_axes",
     "vary",
     "all_gather_invariant",
+    "barrier",
     "JAX_VERSION",
 ]
 
@@ -204,3 +205,36 @@ def first_uses(fun: Callable[..., Any], *args: Any) -> list[int]:
             if isinstance(v, _JaxprVar):
                 first.setdefault(v, k)
     return [first.get(v, len(jaxpr.eqns)) for v in jaxpr.invars]
+
+
+# ------------------------------------------------------------------ ordering barrier
+# ``lax.optimization_barrier`` requires its operands to vary over the same manual axes and
+# casts invariant ones to varying: a replicated mean passed through it beside a
+# per-replica value comes out typed per replica. ``barrier`` is the same HLO
+# OptimizationBarrier with each operand's type kept.
+def _make_barrier():
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive("commjax_barrier")
+    prim.multiple_results = True
+    prim.def_impl(lambda *args: list(args))
+    prim.def_abstract_eval(lambda *avals: list(avals))
+
+    def lowering(ctx, *args):
+        return mlir.lower_fun(lambda *a: lax.optimization_barrier(list(a)), multiple_results=True)(ctx, *args)
+
+    mlir.register_lowering(prim, lowering)
+    ad.primitive_jvps[prim] = lambda primals, tangents: (prim.bind(*primals), list(tangents))
+    batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), dims)
+    return prim
+
+
+_BARRIER = _make_barrier()
+
+
+def barrier(tree: Any) -> Any:
+    """``tree`` unchanged, every value computed before any is used (an HLO
+    OptimizationBarrier), each keeping its varying/invariant type under ``check_vma``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, _BARRIER.bind(*leaves)) if leaves else tree

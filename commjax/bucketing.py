@@ -30,8 +30,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 import optax
-from jax import lax
-
+from commjax import _compat
 from commjax.accounting import CommunicationPlan, planner_of, with_plan
 from commjax.plan import float_baseline
 
@@ -68,8 +67,8 @@ def bucket_groups(leaves: list, bucket_bytes: int) -> tuple:
 
 def _chained(previous: tuple, leaves: list) -> tuple:
     """``leaves`` made to wait for ``previous`` (the last bucket's means and residuals),
-    both returned unchanged."""
-    return lax.optimization_barrier((previous, leaves))
+    both returned unchanged, each with its own varying/invariant type."""
+    return _compat.barrier((previous, leaves))
 
 
 def _carried(state: Any) -> Any:
@@ -107,10 +106,10 @@ def bucketed(make: Callable[[int], optax.GradientTransformation], bucket_bytes: 
         for k, (g, s) in enumerate(zip(groups, state.buckets)):
             mine = [leaves[i] for i in g]
             if previous is not None:
-                # The means leave by their own value: through the barrier they would come
-                # out typed as varying over the axis (shard_map joins its operands' types).
-                (_, carried), mine = _chained(previous, mine)
+                (means, carried), mine = _chained(previous, mine)
                 states[-1] = _with_carried(states[-1], carried)
+                for i, m in zip(groups[k - 1], means):  # the barrier's: not decoded again later
+                    out[i] = m
             means, new = make(k).update(mine, s)
             for i, m in zip(g, means):
                 out[i] = m

@@ -108,7 +108,7 @@ def _equation(eqn: Any, ins: list[frozenset]) -> list[frozenset]:
         return [both - _named_axes(params)] * n_out
     if name in _SPLITTING:
         return [both | _named_axes(params)] * n_out
-    if name == "optimization_barrier":  # the identity on each operand
+    if name in ("optimization_barrier", "commjax_barrier"):  # the identity on each operand
         return list(ins)
     if name == "cond":
         return _cond(params, ins)
