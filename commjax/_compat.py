@@ -19,7 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Primitive as _Primitive
 from jax.extend.core import Var as _JaxprVar  # the jaxpr types' public home since 0.4.36
+from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "shard_map",
@@ -213,10 +215,7 @@ def first_uses(fun: Callable[..., Any], *args: Any) -> list[int]:
 # per-replica value comes out typed per replica. ``barrier`` is the same HLO
 # OptimizationBarrier with each operand's type kept.
 def _make_barrier():
-    from jax.extend.core import Primitive
-    from jax.interpreters import ad, batching, mlir
-
-    prim = Primitive("commjax_barrier")
+    prim = _Primitive("commjax_barrier")
     prim.multiple_results = True
     prim.def_impl(lambda *args: list(args))
     prim.def_abstract_eval(lambda *avals: list(avals))
