@@ -14,7 +14,7 @@ one more set per bucket, the same payload bytes up to each bucket's padding). Wh
 changes is memory: the encode, exchange and decode of a bucket finish before the next
 one begins, so the scratch of the step is one bucket's, not the tree's, and on a TPU a
 bucket of a few MB keeps its intermediates in on-chip memory (VMEM) instead of writing
-them to HBM and reading them back (``benchmarks/aot.py``: ``*_b16m`` rows).
+them to HBM and reading them back (``python benchmarks/aot.py --bucket-mb 4``).
 
 Without the barrier the compiler schedules every bucket's encode before any exchange,
 which keeps every bucket's intermediates alive at once (v5e, GPT-2-small int8 in 37
@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 import optax
+
 from commjax import _compat
 from commjax.accounting import CommunicationPlan, planner_of, with_plan
 from commjax.plan import float_baseline
