@@ -4,7 +4,7 @@ bytes, kernels and the overlap of the exchange, against the exact step of the sa
     pip install -e '.[aot]'     # jax[tpu] and jax[cuda12] at the pinned version
     python benchmarks/aot.py --target v5e:2x4 --model mlp21m
     python benchmarks/aot.py --target h100x8 --model gpt2s --methods exact,int8,sign
-    python benchmarks/aot.py --target v5e:2x4 --model gpt2s --bucket-mb 16   # bucket_bytes=16 MB
+    python benchmarks/aot.py --target v5e:2x4 --model gpt2s --bucket-mb 4    # bucket_bytes=4 MB
 
 For each method the update step (each replica's gradient in, parameters and state out;
 `commjax.aot.compile_update`) is compiled for the target and read by `commjax.aot.analyze`.

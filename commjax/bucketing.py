@@ -17,11 +17,10 @@ bucket of a few MB keeps its intermediates in on-chip memory (VMEM) instead of w
 them to HBM and reading them back (``python benchmarks/aot.py --bucket-mb 4``).
 
 Without the barrier the compiler schedules every bucket's encode before any exchange,
-which keeps every bucket's intermediates alive at once (v5e, GPT-2-small int8 in 37
-buckets: 9.0 GB of HBM traffic and 1.11 GB of scratch without a barrier); and the means
-must leave through the barrier, not around it, or the compiler decodes them a second
-time where the optimizer reads them (int8 in 4 MB buckets: 9.2 GB and 1.18 GB around it,
-6.6 GB and 0.64 GB through it, against 10.7 GB and 1.32 GB in one bucket).
+which keeps every bucket's intermediates alive at once; and the means must leave
+through the barrier, not around it, or the compiler decodes them a second time where the
+optimizer reads them. Through it, v5e GPT-2-small int8 in 4 MB buckets moves 6.6 GB of
+HBM with 0.64 GB of scratch, against 10.7 GB and 1.32 GB in one bucket.
 """
 
 from __future__ import annotations
