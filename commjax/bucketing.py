@@ -26,9 +26,10 @@ HBM with 0.64 GB of scratch, against 10.7 GB and 1.32 GB in one bucket.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -36,7 +37,7 @@ from commjax import _compat
 from commjax.accounting import CommunicationPlan, planner_of, with_plan
 from commjax.plan import float_baseline
 
-__all__ = ["BucketedState", "bucket_groups", "bucketed"]
+__all__ = ["BucketedState", "Piece", "bucket_groups", "bucketed", "leaf_pieces"]
 
 
 class BucketedState(NamedTuple):
@@ -50,21 +51,78 @@ class BucketedState(NamedTuple):
     buckets: tuple
 
 
-def bucket_groups(leaves: list, bucket_bytes: int) -> tuple:
-    """The leaf indices of each bucket: leaves in order, a bucket closed when the next
-    leaf would take it past ``bucket_bytes`` bytes of fp32 values (``4 * size`` per leaf,
-    whatever its dtype); a leaf larger than that is a bucket of its own."""
-    groups, current, size = [], [], 0
+class Piece(NamedTuple):
+    """Rows ``start:stop`` of leaf ``leaf`` (first axis); ``rows=None``: the whole leaf."""
+
+    leaf: int
+    rows: Optional[tuple] = None
+
+
+def _row_ranges(shape: tuple, bucket_bytes: int) -> Optional[list]:
+    """Row ranges cutting a leaf of ``shape`` into pieces of at most ``bucket_bytes`` fp32
+    bytes, or None when it fits whole. A piece is a multiple of 8 rows (of 1024 elements
+    for a vector) where that fits, so it starts on a TPU tile; a single row larger than
+    the bucket is a piece of its own."""
+    if not shape or 4 * int(np.prod(shape)) <= bucket_bytes:
+        return None
+    row = int(np.prod(shape[1:]))
+    fit, align = bucket_bytes // (4 * row), (8 if len(shape) > 1 else 1024)
+    r = fit // align * align if fit >= align else max(1, fit)
+    return [(a, min(a + r, shape[0])) for a in range(0, shape[0], r)]
+
+
+def leaf_pieces(leaves: list, bucket_bytes: int, split: bool) -> list:
+    """The pieces of ``leaves`` in order: whole leaves, or with ``split`` every floating
+    leaf larger than ``bucket_bytes`` cut into row ranges (``_row_ranges``)."""
+    out = []
     for i, leaf in enumerate(leaves):
-        b = 4 * int(np.prod(np.shape(leaf)))
+        floating = np.issubdtype(np.dtype(getattr(leaf, "dtype", np.float32)), np.floating)
+        ranges = _row_ranges(tuple(np.shape(leaf)), bucket_bytes) if split and floating else None
+        out += [Piece(i)] if ranges is None else [Piece(i, r) for r in ranges]
+    return out
+
+
+def _piece_bytes(leaves: list, p: Piece) -> int:
+    shape = np.shape(leaves[p.leaf])
+    rows = shape[0] if p.rows is None or not shape else p.rows[1] - p.rows[0]
+    return 4 * int(np.prod(shape[1:] if shape else ())) * (rows if shape else 1)
+
+
+def bucket_groups(leaves: list, bucket_bytes: int, *, split: bool = False) -> tuple:
+    """The pieces ([`Piece`][commjax.bucketing.Piece]) of each bucket: pieces in order
+    (``leaf_pieces``), a bucket closed when the next piece would take it past
+    ``bucket_bytes`` bytes of fp32 values (``4 * size``, whatever the dtype); a piece
+    larger than that is a bucket of its own."""
+    groups, current, size = [], [], 0
+    for p in leaf_pieces(leaves, bucket_bytes, split):
+        b = _piece_bytes(leaves, p)
         if current and size + b > bucket_bytes:
             groups.append(tuple(current))
             current, size = [], 0
-        current.append(i)
+        current.append(p)
         size += b
     if current:
         groups.append(tuple(current))
     return tuple(groups)
+
+
+def _cut(leaf: Any, p: Piece) -> Any:
+    """The piece ``p`` of ``leaf`` (an array, a tracer or a ShapeDtypeStruct)."""
+    if p.rows is None:
+        return leaf
+    a, b = p.rows
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((b - a,) + tuple(leaf.shape[1:]), leaf.dtype)
+    return leaf[a:b]
+
+
+def _joined(leaves: list, means: dict) -> list:
+    """Each leaf's mean from its pieces' means (concatenated along the first axis)."""
+    out = [[] for _ in leaves]
+    for p, m in means.items():
+        out[p.leaf].append((p.rows or (0, 0), m))
+    return [parts[0][1] if len(parts) == 1 else jnp.concatenate([m for _, m in sorted(parts, key=lambda t: t[0])], 0)
+            for parts in out]
 
 
 def _chained(previous: tuple, leaves: list) -> tuple:
@@ -85,45 +143,48 @@ def _with_carried(state: Any, carried: Any) -> Any:
 
 
 def bucketed(make: Callable[[int], optax.GradientTransformation], bucket_bytes: int,
-             name: str) -> optax.GradientTransformation:
+             name: str, *, split: bool = False) -> optax.GradientTransformation:
     """``make(k)`` (the transform of bucket ``k``) run on buckets of the leaves, one after
-    the other (module docstring). ``name``: the plan's transform name."""
+    the other (module docstring). ``split``: cut leaves larger than a bucket into row
+    ranges (``leaf_pieces``). ``name``: the plan's transform name."""
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves(params)
-        groups = bucket_groups(leaves, bucket_bytes)
-        return BucketedState(tuple(make(k).init([leaves[i] for i in g]) for k, g in enumerate(groups)))
+        groups = bucket_groups(leaves, bucket_bytes, split=split)
+        return BucketedState(tuple(make(k).init([_cut(leaves[p.leaf], p) for p in g])
+                                   for k, g in enumerate(groups)))
 
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree_util.tree_flatten(updates)
-        groups = bucket_groups(leaves, bucket_bytes)
+        groups = bucket_groups(leaves, bucket_bytes, split=split)
         if not isinstance(state, BucketedState) or len(groups) != len(state.buckets):
             raise ValueError(
                 f"{name}: these gradients make {len(groups)} buckets of at most {bucket_bytes} "
                 f"bytes, the state holds {len(getattr(state, 'buckets', ()))}: the state was made "
                 "for another tree (or another bucket_bytes). Make it with tx.init(params) for "
                 "these parameters.")
-        out, states, previous = list(leaves), [], None
+        current, means, states, previous = list(leaves), {}, [], None
         for k, (g, s) in enumerate(zip(groups, state.buckets)):
-            mine = [leaves[i] for i in g]
+            # Whole leaves go through the barrier and are cut after it: a slice taken
+            # before it would be copied out to be a barrier operand.
+            need = sorted({p.leaf for p in g})
             if previous is not None:
-                (means, carried), mine = _chained(previous, mine)
+                (done, carried), fresh = _chained(previous, [current[i] for i in need])
                 states[-1] = _with_carried(states[-1], carried)
-                for i, m in zip(groups[k - 1], means):  # the barrier's: not decoded again later
-                    out[i] = m
-            means, new = make(k).update(mine, s)
-            for i, m in zip(g, means):
-                out[i] = m
+                means.update(zip(groups[k - 1], done))  # the barrier's: not decoded again later
+                current = [dict(zip(need, fresh)).get(i, v) for i, v in enumerate(current)]
+            out, new = make(k).update([_cut(current[p.leaf], p) for p in g], s)
+            means.update(zip(g, out))
             states.append(new)
-            previous = (means, _carried(new))
-        return jax.tree_util.tree_unflatten(treedef, out), BucketedState(tuple(states))
+            previous = (list(out), _carried(new))
+        return jax.tree_util.tree_unflatten(treedef, _joined(leaves, means)), BucketedState(tuple(states))
 
     def plan(params, num_replicas: int, **options) -> CommunicationPlan:
         leaves = jax.tree_util.tree_leaves(params)
         transfers = []
-        for k, g in enumerate(bucket_groups(leaves, bucket_bytes)):
-            sub = planner_of(make(k))([leaves[i] for i in g], num_replicas, **options)
+        for k, g in enumerate(bucket_groups(leaves, bucket_bytes, split=split)):
+            sub = planner_of(make(k))([_cut(leaves[p.leaf], p) for p in g], num_replicas, **options)
             transfers += [dataclasses.replace(t, what=f"bucket {k}: {t.what}") for t in sub.transfers]
         return CommunicationPlan(name, num_replicas, tuple(transfers), float_baseline(params, num_replicas))
 

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commjax.accounting import CommunicationPlan, Transfer, planner_of, ring_bytes
+from commjax.collectives._common import gathered_bytes
 from commjax.collectives._reducers import choose_reducer
 from commjax.compressors.base import Compressor, Segment
 from commjax.exchanges import exchange_for
@@ -217,11 +218,11 @@ def _fallback_bytes(compressor: Compressor, obj: Any, n: int, num_replicas: int)
         return 0.0
     m = obj.padded_length(compressor, n, num_replicas)
     if obj.name == "allgather":
-        return ring_bytes("all-gather", fb.payload_bytes(m), num_replicas)
+        return gathered_bytes(fb.payload_bytes(m), num_replicas)
     if obj.name == "two_phase":
         server = getattr(obj, "server_codec", None) or compressor
         return (ring_bytes("all-to-all", fb.payload_bytes(m), num_replicas)
-                + ring_bytes("all-gather", server.fallback.payload_bytes(m // num_replicas), num_replicas))
+                + gathered_bytes(server.fallback.payload_bytes(m // num_replicas), num_replicas))
     return 0.0
 
 

@@ -683,7 +683,8 @@ def compressed_mean(
                        residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
                        check_finite=check_finite, num_replicas=num_replicas)
         return bucketed(lambda k: compressed_mean(compressor, axis_name, seed=int(seed) + k, **options),
-                        int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes")
+                        int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
+                        split=not compressor.has_exchange)
     cfg = ExchangeConfig(
         compressor=compressor, axis_name=validation.normalize_axis(axis_name),
         inner_axis_name=validation.normalize_axis(inner_axis_name),

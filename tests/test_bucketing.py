@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
-from commjax.bucketing import BucketedState, bucket_groups
+from commjax.bucketing import BucketedState, Piece, bucket_groups
 
 N = 8
 AX = "data"
@@ -46,27 +46,62 @@ def _step(tx, mesh, grads, steps=2):
 
 def test_bucket_groups_are_whole_leaves_in_order():
     leaves = [np.zeros(s) for s in [(10,), (300,), (100,), (2000,), (5,), (5,)]]
-    assert bucket_groups(leaves, 1600) == ((0, 1), (2,), (3,), (4, 5))
-    assert bucket_groups(leaves, 10 ** 9) == ((0, 1, 2, 3, 4, 5),)
-    assert bucket_groups(leaves, 1) == tuple((i,) for i in range(6))
+
+    def idx(groups):
+        assert all(p.rows is None for g in groups for p in g)
+        return tuple(tuple(p.leaf for p in g) for g in groups)
+
+    assert idx(bucket_groups(leaves, 1600)) == ((0, 1), (2,), (3,), (4, 5))
+    assert idx(bucket_groups(leaves, 10 ** 9)) == ((0, 1, 2, 3, 4, 5),)
+    assert idx(bucket_groups(leaves, 1)) == tuple((i,) for i in range(6))
 
 
-def test_buckets_give_the_bits_of_one_bucket(mesh):
+def test_split_cuts_large_leaves_into_row_ranges():
+    """A leaf over the bucket is cut along its first axis into pieces of at most the
+    bucket (multiples of 8 rows, of 1024 elements for a vector, where that fits; one row
+    when a row is larger); smaller and integer leaves stay whole."""
+    leaves = [np.zeros((64, 64)), np.zeros((20, 100)), np.zeros((3, 1000)), np.zeros(3000),
+              np.zeros((64, 64), np.int32), np.zeros((4, 4))]
+    groups = bucket_groups(leaves, 4096, split=True)
+    pieces = [p for g in groups for p in g]
+    by_leaf = {i: [p.rows for p in pieces if p.leaf == i] for i in range(len(leaves))}
+    assert by_leaf[0] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert by_leaf[1] == [(0, 8), (8, 16), (16, 20)]
+    assert by_leaf[2] == [(0, 1), (1, 2), (2, 3)]
+    assert by_leaf[3] == [(0, 1024), (1024, 2048), (2048, 3000)]
+    assert by_leaf[4] == [None] and by_leaf[5] == [None]
+    assert pieces == sorted(pieces, key=lambda p: (p.leaf, p.rows or (0, 0)))  # tree order
+    for g in groups:  # every bucket within its size unless it is one piece
+        size = sum(4 * np.prod(leaves[p.leaf].shape[1:]) * (p.rows[1] - p.rows[0]) if p.rows
+                   else 4 * leaves[p.leaf].size for p in g)
+        assert size <= 4096 or len(g) == 1
+    assert Piece(0) == Piece(0, None)
+
+
+@pytest.mark.parametrize("bucket_bytes", [20_000, 4096], ids=["whole_leaves", "split_leaves"])
+def test_buckets_give_the_bits_of_one_bucket(mesh, bucket_bytes):
     """A deterministic codec through the all-gather reducer encodes each leaf on its own
     (leaves padded to whole blocks), so the means and residuals of the buckets are those
-    of one bucket, bit for bit, every replica the same."""
+    of one bucket, bit for bit, every replica the same; also when the 64x64 leaf and the
+    2048-vector are cut into pieces (at 4096 bytes: 16-row pieces, whole 256-blocks)."""
     grads = _tree()
     opts = dict(reducer="allgather", min_compress_size=64)
     one, s1, _ = _step(cj.compressed_mean(cj.quantize(8, stochastic=False), AX, **opts), mesh, grads)
-    tx = cj.compressed_mean(cj.quantize(8, stochastic=False), AX, bucket_bytes=20_000, **opts)
+    tx = cj.compressed_mean(cj.quantize(8, stochastic=False), AX, bucket_bytes=bucket_bytes, **opts)
     many, s2, _ = _step(tx, mesh, grads)
-    assert isinstance(s2, BucketedState) and len(s2.buckets) == 3
+    local = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda a: a[0], grads))
+    groups = bucket_groups(local, bucket_bytes, split=True)
+    assert isinstance(s2, BucketedState) and len(s2.buckets) == len(groups) == (3 if bucket_bytes > 4096 else 10)
     for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(many)):
         np.testing.assert_array_equal(a, b)
         assert all(np.array_equal(r, a[0]) for r in a) or a.dtype == np.int32
-    flat = [np.asarray(r) for b in s2.buckets for r in b.residual]
-    for a, b in zip(s1.residual, flat):
-        np.testing.assert_array_equal(np.asarray(a), b)
+    # The residuals of a's and b's pieces (the compressed leaves), joined, are one
+    # bucket's (the state holds every replica's, stacked on the first axis).
+    flat = [np.asarray(r).reshape((N, -1) + r.shape[1:]) for b in s2.buckets for r in b.residual]
+    assert [r.shape for r in flat] == ([(N, 32, 32), (N, 64, 64)] if bucket_bytes > 4096
+                                       else [(N, 32, 32)] + [(N, 16, 64)] * 4)
+    np.testing.assert_array_equal(np.asarray(s1.residual[0]), flat[0].reshape(-1, 32))
+    np.testing.assert_array_equal(np.asarray(s1.residual[1]), np.concatenate(flat[1:], 1).reshape(-1, 64))
 
 
 @pytest.mark.parametrize("codec,reducer", [(cj.quantize(4), "two_phase"), (cj.sign(), "auto"),
@@ -75,17 +110,20 @@ def test_buckets_give_the_bits_of_one_bucket(mesh):
 def test_bucketed_bytes_are_the_plan_and_replicas_agree(mesh, codec, reducer):
     """HLO bytes == the plan (each bucket's transfers), replicas bit-identical, and a
     chained Adam's moments replicated (the barrier between buckets does not make the
-    means look per replica)."""
+    means look per replica). At 6,000 bytes the 64x64 leaf and the 2048-vector are cut
+    into pieces, except for PowerSGD, which factors whole matrices."""
     grads = {k: v for k, v in _tree().items() if k != "n"}
     tx = optax.chain(cj.compressed_mean(codec, AX, reducer=reducer, min_compress_size=64,
-                                        bucket_bytes=20_000), optax.adam(1e-3))
+                                        bucket_bytes=6_000), optax.adam(1e-3))
     outs, state, f = _step(tx, mesh, grads)
     for a in jax.tree_util.tree_leaves(outs[-1]):
         assert all(np.array_equal(r, a[0]) for r in a)
     local = jax.tree_util.tree_map(lambda a: a[0], grads)
     plan = cj.communication_plan(cj.compressed_mean(codec, AX, reducer=reducer, min_compress_size=64,
-                                                    bucket_bytes=20_000), local, N)
-    assert len({t.what.split(":")[0] for t in plan.transfers}) == 3
+                                                    bucket_bytes=6_000), local, N)
+    groups = bucket_groups(jax.tree_util.tree_leaves(local), 6_000, split=not codec.has_exchange)
+    assert len({t.what.split(":")[0] for t in plan.transfers}) == len(groups)
+    assert len(groups) == (4 if codec.has_exchange else 8), groups
     rep = cj.collective_bytes(f, jax.device_put(grads, NamedSharding(mesh, P(AX))), state)
     assert rep.total_ring_bytes == pytest.approx(plan.compiled_bytes, abs=0.5), f"{rep.table()}\n{plan}"
     mask = cj.per_replica_mask(state, AX)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from commjax import _compat
 from commjax.compressors.base import Compressor, Segment
 from commjax.compressors.exact import identity
+from commjax.collectives._common import GATHER_WORDS, gathered_width
 from commjax.collectives._reducers import _encode_segmentwise
 from commjax.compressors.sparse import (TWO_STAGE_MIN_WORK, exact_top_k, group_size, grouped_top_k, random_k,
                                         sorted_top_k, threshold, top_k, two_stage_top_k)
@@ -439,7 +440,10 @@ def test_bytes_4m_model_against_exact_mean(comp, min_ratio):
         assert plan.routing.compressed_bytes == pytest.approx(2 * (N - 1) / N * 4 * k)
         assert plan.routing.reducer == "shared_mask"
     else:
-        assert plan.routing.compressed_bytes == pytest.approx((N - 1) * 8 * k)
+        # k values and k indices, the row padded to whole 128-word TPU lane tiles
+        words = gathered_width(2 * k)
+        assert words == -(-2 * k // GATHER_WORDS) * GATHER_WORDS
+        assert plan.routing.compressed_bytes == pytest.approx((N - 1) * 4 * words)
 
 
 @pytest.mark.parametrize("replicas,reducer,min_ratio", [(8, "allgather", 12.0), (10, "allgather", 9.5),

@@ -27,6 +27,35 @@ def _round_up(n: int, a: int) -> int:
     return -(-int(n) // a) * a
 
 
+#: A gathered row of payload words is padded to a multiple of this many words: a TPU lays
+#: a u32 row out in 128-lane tiles and runs the all-gather of a row of another length as a
+#: zero-padded all-reduce, which sends twice the bytes (v5e, GPT-2-small int8 in 4 MB
+#: buckets: 331 MB on the wire instead of 221 MB). Only rows of at least 100 tiles are
+#: padded, so that the padding costs under 1% where it is wasted (CPU, GPU).
+GATHER_WORDS = 128
+
+
+def gathered_width(words: int) -> int:
+    """Words a row of ``words`` payload words takes on the wire in ``gather_words``."""
+    return _round_up(words, GATHER_WORDS) if words >= 100 * GATHER_WORDS else int(words)
+
+
+def gather_words(words: jax.Array, axis_name: Any, *, tiled: bool) -> jax.Array:
+    """All-gather of a 1-D row of payload words, the result typed replicated: ``[N * w]``
+    (``tiled``) or ``[N, w]``. The row travels padded to ``gathered_width(w)`` words."""
+    w = words.shape[-1]
+    wp = gathered_width(w)
+    if words.ndim != 1 or wp == w:
+        return _compat.all_gather_invariant(words, axis_name, tiled=tiled)
+    got = _compat.all_gather_invariant(jnp.pad(words, (0, wp - w)), axis_name, tiled=False)[:, :w]
+    return got.reshape(-1) if tiled else got
+
+
+def gathered_bytes(payload_bytes: float, num_replicas: int) -> float:
+    """Ring bytes per device of ``gather_words`` on a row of ``payload_bytes``."""
+    return ring_bytes("all-gather", 4 * gathered_width(-(-int(payload_bytes) // 4)), num_replicas)
+
+
 def _is_exact(codec: Optional[Compressor]) -> bool:
     return codec is None or (codec.lossless and codec.linear)
 
