@@ -1,26 +1,35 @@
 """Exchanging a gradient tree in buckets of leaves, one bucket after the other.
 
 [`commjax.compressed_mean`][] with ``bucket_bytes=B`` cuts the leaves, in tree order,
-into buckets of at most ``B`` bytes of fp32 values (whole leaves: a larger leaf is a
-bucket of its own) and runs one compressed mean per bucket, each with its own state,
-strictly one after the other: bucket ``k + 1`` starts encoding only once bucket ``k``'s
-mean and residuals exist (an optimization barrier between them)::
+into buckets of at most ``B`` bytes of fp32 values and runs one compressed mean per
+bucket, each with its own state, strictly one after the other: bucket ``k + 1`` starts
+encoding only once bucket ``k``'s mean and residuals exist (an optimization barrier
+between them)::
 
-    for k, leaves_k in enumerate(buckets(grads, B)):
-        mean_k, state_k = compressed_mean(codec, seed=seed + k).update(leaves_k, state_k)
+    for k, pieces_k in enumerate(buckets(grads, B)):
+        mean_k, state_k = compressed_mean(codec, seed=seed + k).update(pieces_k, state_k)
+
+A leaf larger than ``B`` is cut along its first axis into pieces of at most ``B`` bytes
+(whole multiples of 8 rows, or of 1,024 elements for a vector, where that fits: a TPU
+tile), each a leaf of its own in its bucket, and its mean is the pieces' means joined
+again. Its residual is kept per piece. A block codec whose pieces hold whole blocks
+(``rows * row_size`` a multiple of the block) encodes exactly what it would encode in
+one bucket. Compressors with their own exchange (PowerSGD) factor whole matrices: their
+leaves are never cut.
 
 The bytes on the wire are each bucket's (its exact all-reduce, its payload's collectives:
 one more set per bucket, the same payload bytes up to each bucket's padding). What
 changes is memory: the encode, exchange and decode of a bucket finish before the next
 one begins, so the scratch of the step is one bucket's, not the tree's, and on a TPU a
 bucket of a few MB keeps its intermediates in on-chip memory (VMEM) instead of writing
-them to HBM and reading them back (``python benchmarks/aot.py --bucket-mb 4``).
+them to HBM and reading them back (``python benchmarks/aot.py --bucket-mb 4``; numbers in
+``docs/accelerators.md``).
 
 Without the barrier the compiler schedules every bucket's encode before any exchange,
 which keeps every bucket's intermediates alive at once; and the means must leave
 through the barrier, not around it, or the compiler decodes them a second time where the
-optimizer reads them. Through it, v5e GPT-2-small int8 in 4 MB buckets moves 6.6 GB of
-HBM with 0.64 GB of scratch, against 10.7 GB and 1.32 GB in one bucket.
+optimizer reads them. A cut leaf goes through the barriers whole and is sliced after
+them: a slice taken before one would be copied out to be its operand.
 """
 
 from __future__ import annotations
@@ -76,16 +85,18 @@ def leaf_pieces(leaves: list, bucket_bytes: int, split: bool) -> list:
     leaf larger than ``bucket_bytes`` cut into row ranges (``_row_ranges``)."""
     out = []
     for i, leaf in enumerate(leaves):
-        floating = np.issubdtype(np.dtype(getattr(leaf, "dtype", np.float32)), np.floating)
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+        floating = jnp.issubdtype(dtype, jnp.floating)
         ranges = _row_ranges(tuple(np.shape(leaf)), bucket_bytes) if split and floating else None
         out += [Piece(i)] if ranges is None else [Piece(i, r) for r in ranges]
     return out
 
 
 def _piece_bytes(leaves: list, p: Piece) -> int:
-    shape = np.shape(leaves[p.leaf])
-    rows = shape[0] if p.rows is None or not shape else p.rows[1] - p.rows[0]
-    return 4 * int(np.prod(shape[1:] if shape else ())) * (rows if shape else 1)
+    shape = tuple(np.shape(leaves[p.leaf]))
+    if p.rows is None:
+        return 4 * int(np.prod(shape))
+    return 4 * int(np.prod(shape[1:])) * (p.rows[1] - p.rows[0])
 
 
 def bucket_groups(leaves: list, bucket_bytes: int, *, split: bool = False) -> tuple:
@@ -117,12 +128,11 @@ def _cut(leaf: Any, p: Piece) -> Any:
 
 
 def _joined(leaves: list, means: dict) -> list:
-    """Each leaf's mean from its pieces' means (concatenated along the first axis)."""
-    out = [[] for _ in leaves]
-    for p, m in means.items():
-        out[p.leaf].append((p.rows or (0, 0), m))
-    return [parts[0][1] if len(parts) == 1 else jnp.concatenate([m for _, m in sorted(parts, key=lambda t: t[0])], 0)
-            for parts in out]
+    """Each leaf's mean from its pieces' means (joined along the first axis)."""
+    parts = [[] for _ in leaves]
+    for p, m in sorted(means.items(), key=lambda pm: (pm[0].leaf, pm[0].rows or (0, 0))):
+        parts[p.leaf].append(m)
+    return [ms[0] if len(ms) == 1 else jnp.concatenate(ms, 0) for ms in parts]
 
 
 def _chained(previous: tuple, leaves: list) -> tuple:
