@@ -441,7 +441,7 @@ def test_bytes_4m_model_against_exact_mean(comp, min_ratio):
         assert plan.routing.reducer == "shared_mask"
     else:
         # k values and k indices, the row padded to whole 128-word TPU lane tiles
-        words = gathered_width(2 * k)
+        words = gathered_width(2 * k, N)
         assert words == -(-2 * k // GATHER_WORDS) * GATHER_WORDS
         assert plan.routing.compressed_bytes == pytest.approx((N - 1) * 4 * words)
 

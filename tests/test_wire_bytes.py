@@ -74,9 +74,10 @@ def test_gathered_rows_travel_in_whole_lane_tiles(reducer):
     """A payload row of 2,470 words (int8, 38 blocks of 65 words) is gathered padded to
     20 tiles of 128 words, so that a TPU runs an all-gather, not a zero-padded all-reduce of
     twice the bytes; the compiled all-gather sends exactly what the plan counts. Rows
-    under 16 tiles travel as they are."""
+    under 16 tiles, and rows whose gather would exceed 8 MB, travel as they are."""
     from commjax.collectives._common import GATHER_WORDS, gathered_width
-    assert [gathered_width(w) for w in (5, 2047, 2048, 2049, 2470)] == [5, 2047, 2048, 2176, 2560]
+    assert [gathered_width(w, 8) for w in (5, 2047, 2048, 2049, 2470)] == [5, 2047, 2048, 2176, 2560]
+    assert gathered_width(2470, 1024) == 2470  # 10 MB of gathered rows: not padded
     n = 8
     rows = {"allgather": 38, "two_phase": 38 * n}[reducer]  # blocks: one row per replica's chunk
     params = {"w": jax.ShapeDtypeStruct((rows, 256), jnp.float32)}

@@ -30,21 +30,30 @@ def _round_up(n: int, a: int) -> int:
 #: A gathered row of payload words is padded to a multiple of this many words: a TPU lays
 #: a u32 row out in 128-lane tiles and runs the all-gather of a row of another length as a
 #: zero-padded all-reduce, which sends twice the bytes (v5e, GPT-2-small int8 in 4 MB
-#: buckets: 331 MB on the wire instead of 221 MB). Only rows of at least 16 tiles (8 KB)
-#: are padded, so that the padding costs under 1/16 of a row where it is wasted (CPU, GPU).
+#: buckets: 331 MB on the wire instead of 221 MB, and 1.3x the HBM traffic). Only rows of
+#: at least 16 tiles (8 KB) are padded, so that the padding costs under 1/16 of a row where
+#: it is wasted (CPU, GPU), and only while the gathered rows take at most
+#: ``GATHER_PAD_MAX_BYTES``: the padded rows are cut back to the payload after the gather,
+#: a relayout that is free in a TPU's on-chip memory but a copy through HBM beyond it (GPT-2
+#: int8 in one bucket: 12.8 GB of traffic padded, 10.7 GB not).
 GATHER_WORDS = 128
+GATHER_PAD_MAX_BYTES = 8 << 20
 
 
-def gathered_width(words: int) -> int:
+def gathered_width(words: int, num_replicas: int) -> int:
     """Words a row of ``words`` payload words takes on the wire in ``gather_words``."""
-    return _round_up(words, GATHER_WORDS) if words >= 16 * GATHER_WORDS else int(words)
+    padded = _round_up(words, GATHER_WORDS)
+    if words < 16 * GATHER_WORDS or 4 * padded * num_replicas > GATHER_PAD_MAX_BYTES:
+        return int(words)
+    return padded
 
 
-def gather_words(words: jax.Array, axis_name: Any, *, tiled: bool) -> jax.Array:
-    """All-gather of a 1-D row of payload words, the result typed replicated: ``[N * w]``
-    (``tiled``) or ``[N, w]``. The row travels padded to ``gathered_width(w)`` words."""
+def gather_words(words: jax.Array, axis_name: Any, num_replicas: int, *, tiled: bool) -> jax.Array:
+    """All-gather of a 1-D row of payload words over ``num_replicas`` replicas, the result
+    typed replicated: ``[N * w]`` (``tiled``) or ``[N, w]``. The row travels padded to
+    ``gathered_width`` words."""
     w = words.shape[-1]
-    wp = gathered_width(w)
+    wp = gathered_width(w, num_replicas)
     if words.ndim != 1 or wp == w:
         return _compat.all_gather_invariant(words, axis_name, tiled=tiled)
     got = _compat.all_gather_invariant(jnp.pad(words, (0, wp - w)), axis_name, tiled=False)[:, :w]
@@ -53,7 +62,8 @@ def gather_words(words: jax.Array, axis_name: Any, *, tiled: bool) -> jax.Array:
 
 def gathered_bytes(payload_bytes: float, num_replicas: int) -> float:
     """Ring bytes per device of ``gather_words`` on a row of ``payload_bytes``."""
-    return ring_bytes("all-gather", 4 * gathered_width(-(-int(payload_bytes) // 4)), num_replicas)
+    width = gathered_width(-(-int(payload_bytes) // 4), num_replicas)
+    return ring_bytes("all-gather", 4 * width, num_replicas)
 
 
 def _is_exact(codec: Optional[Compressor]) -> bool:

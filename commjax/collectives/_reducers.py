@@ -184,7 +184,7 @@ class AllGather(Reducer):
             return _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key,
                                          residuals, server_residual)
         words, outs = _local_parts(codec, parts, segments, residuals, key)
-        got = gather_words(jnp.concatenate(words), axis_name, tiled=False)
+        got = gather_words(jnp.concatenate(words), axis_name, num_replicas, tiled=False)
         means = [decode_sum(codec, _segment_words(codec, got, s), s.padded_size, num_replicas)[:s.size]
                  for s in segments]
         finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
@@ -215,7 +215,7 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
     same on every replica), the fallback's payloads of the same ``y``, whose mean is used."""
     ys = _with_residuals(parts, segments, residuals)
     words, outs = _encode_ys(codec, ys, segments, residuals, key)
-    got = gather_words(jnp.concatenate(words), axis_name, tiled=False)
+    got = gather_words(jnp.concatenate(words), axis_name, num_replicas, tiled=False)
 
     def means_of(c, g):
         return [decode_sum(c, _segment_words(c, g, s), s.padded_size, num_replicas)[:s.size]
@@ -224,7 +224,7 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
     def raw():
         fb = codec.fallback
         fb_words = jnp.concatenate([fb.encode(y, None, start=s.offset) for y, s in zip(ys, segments)])
-        return means_of(fb, gather_words(fb_words, axis_name, tiled=False))
+        return means_of(fb, gather_words(fb_words, axis_name, num_replicas, tiled=False))
 
     means = lax.cond(codec.payload_overflow(got), raw, lambda: means_of(codec, got))
     finite = _payload_finite(codec, [_segment_words(codec, got, s) for s in segments])
@@ -255,7 +255,7 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
     kept = keep is not None and residuals is not None
     if kept:
         words, outs = lax.optimization_barrier((words, outs))
-    got = gather_words(words, axis_name, tiled=False)
+    got = gather_words(words, axis_name, num_replicas, tiled=False)
     n = sum(s.padded_size for s in segments)
     mean = codec.decode_sum(got, n, segments, divide=num_replicas)
     return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual), kept=kept)
@@ -390,7 +390,7 @@ def _two_phase_exchange(codec, server, rows, chunk, axis_name, num_replicas, key
     received = _compat.all_to_all(rows, axis_name)
     mine = decode_sum(codec, received, chunk, num_replicas)
     words, new_server, _ = _server_encode(server, mine, key, server_residual, server_error_feedback)
-    return gather_words(words, axis_name, tiled=True), new_server
+    return gather_words(words, axis_name, num_replicas, tiled=True), new_server
 
 
 def _server_encode(server, mine, key, server_residual, server_error_feedback):
@@ -431,14 +431,14 @@ def _two_phase_with_fallback(codec, server, parts, segments, m, axis_name, num_r
                     lambda: decode_sum(codec, received, chunk, num_replicas))
     words, new_server, server_in = _server_encode(server, mine, key, server_residual,
                                                   server_error_feedback)
-    gathered = gather_words(words, axis_name, tiled=True)
+    gathered = gather_words(words, axis_name, num_replicas, tiled=True)
 
     def means_of(c, g):
         return [c.decode(_segment_words(c, g, s), s.padded_size)[:s.size] for s in segments]
 
     def raw_means():
         fb = server.fallback
-        return means_of(fb, gather_words(fb.encode(server_in, None), axis_name, tiled=True))
+        return means_of(fb, gather_words(fb.encode(server_in, None), axis_name, num_replicas, tiled=True))
 
     means = _fallback_cond(server, lambda: server.payload_overflow(gathered),
                            lambda: means_of(server, gathered), raw_means)
