@@ -647,17 +647,16 @@ def compressed_mean(
         Only the two-phase server residual depends on it.
       seed: seed of the replicated PRNG key (stochastic rounding, random masks).
       bucket_bytes: exchange the leaves in buckets of at most this many bytes of fp32
-        values, in tree order, one bucket after the other ([`commjax.bucketing`][]): the
-        step's scratch memory is then one bucket's instead of the whole tree's, and on a
-        TPU buckets of a few MB keep the codec's intermediates on chip (v5e, GPT-2-small
-        in 4 MB buckets: int8 moves 2.08x the exact step's HBM traffic instead of 3.36x,
-        bf16 1.47x instead of 2.71x, with at most 0.21 gradients of extra scratch;
-        ``docs/accelerators.md``). A leaf larger than ``B`` stays whole, so a tree of a
-        few large leaves gains nothing (v5e MLP: int8 +9%), nor do GPUs (H100: int8 +9%
-        on GPT-2-small). Each bucket
-        sends its own exact all-reduce and payload (one more set of collectives per
-        bucket) and draws its randomness from ``seed + k``. ``None`` (default): one
-        bucket.
+        values, in tree order, one bucket after the other ([`commjax.bucketing`][]); a
+        leaf larger than that is cut along its first axis into pieces that fit (except
+        for PowerSGD, which factors whole matrices). The step's scratch memory is then
+        one bucket's instead of the whole tree's, and on a TPU buckets of a few MB keep
+        the codec's intermediates on chip: v5e, GPT-2-small in 4 MB buckets, int8 moves
+        1.31x the exact step's HBM traffic instead of 3.36x in one bucket, bf16 0.98x
+        instead of 2.71x, with less scratch than the exact step (``docs/accelerators.md``).
+        Each bucket sends its own exact all-reduce and payload (one more set of
+        collectives per bucket) and draws its randomness from ``seed + k``. ``None``
+        (default): one bucket.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
