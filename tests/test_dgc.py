@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
+from commjax.collectives._common import gathered_width
 from commjax.compressors.exact import identity
 from commjax.compressors.sparse import top_k
 from commjax.layout import shard_state, state_specs
@@ -195,15 +196,16 @@ def test_pmap_and_shard_map_agree():
 
 
 def test_plan_counts_k_entries_per_leaf_and_the_flag():
-    """K = ceil(ratio * size) per compressed leaf, 8 bytes each through the all-gather; the
-    bias and one NaN flag in the exact all-reduce (the compiled step sends the plan:
-    tests/test_contract.py)."""
+    """K = ceil(ratio * size) per compressed leaf, 8 bytes each through the all-gather (the
+    row padded to whole 128-word tiles); the bias and one NaN flag in the exact all-reduce
+    (the compiled step sends the plan: tests/test_contract.py)."""
     params = {"w0": jax.ShapeDtypeStruct((512, 256), jnp.float32),
               "w1": jax.ShapeDtypeStruct((256, 300), jnp.float32),
               "b": jax.ShapeDtypeStruct((300,), jnp.float32)}
     plan = cj.communication_plan(dgc(0.1, ratio=0.01), params, N)
     k = math.ceil(0.01 * 512 * 256) + math.ceil(0.01 * 256 * 300)
-    assert plan.bytes_of("top-k") == pytest.approx((N - 1) * 8 * k)
+    assert plan.bytes_of("top-k") == pytest.approx((N - 1) * 4 * gathered_width(2 * k, N))
+    assert gathered_width(2 * k, N) == 4224  # 2 * 2079 words, padded to 33 tiles
     assert plan.bytes_of("exact bucket") == pytest.approx(2 * (N - 1) / N * 4 * 301)  # bias + NaN flag
     assert plan.compression_ratio > 10
 
