@@ -3,9 +3,13 @@ tests/test_contract.py)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
+from commjax import _compat
+from commjax.collectives._common import GATHER_WORDS, gathered_width
 from commjax.testing import mlp_4m_params, update_collectives
 
 PARAMS = mlp_4m_params()
@@ -75,7 +79,6 @@ def test_gathered_rows_travel_in_whole_lane_tiles(reducer):
     20 tiles of 128 words, so that a TPU runs an all-gather, not a zero-padded all-reduce of
     twice the bytes; the compiled all-gather sends exactly what the plan counts. Rows
     under 16 tiles, and rows whose gather would exceed 8 MB, travel as they are."""
-    from commjax.collectives._common import GATHER_WORDS, gathered_width
     assert [gathered_width(w, 8) for w in (5, 2047, 2048, 2049, 2470)] == [5, 2047, 2048, 2176, 2560]
     assert gathered_width(2470, 1024) == 2470  # 10 MB of gathered rows: not padded
     n = 8
@@ -93,10 +96,6 @@ def test_gathered_rows_travel_in_whole_lane_tiles(reducer):
 def test_padded_gather_decodes_the_mean_of_the_codes(mesh):
     """Through the padded all-gather every replica gets the mean of the 8 replicas' decoded
     codes (a deterministic codec: computed here replica by replica), identical everywhere."""
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from commjax import _compat
-
     codec = cj.quantize(8, stochastic=False)
     g = jax.random.normal(jax.random.PRNGKey(3), (8, 38, 256)) * jnp.logspace(-3, 3, 38)[:, None]
     tx = cj.compressed_mean(codec, "data", reducer="allgather")

@@ -30,7 +30,7 @@ def _round_up(n: int, a: int) -> int:
 #: A gathered row of payload words is padded to a multiple of this many words: a TPU lays
 #: a u32 row out in 128-lane tiles and runs the all-gather of a row of another length as a
 #: zero-padded all-reduce, which sends twice the bytes (v5e, GPT-2-small int8 in 4 MB
-#: buckets: 331 MB on the wire instead of 221 MB, and 1.3x the HBM traffic). Only rows of
+#: buckets, one-off compiles: 331 MB on the wire instead of 221 MB, 1.4x the HBM traffic). Only rows of
 #: at least 16 tiles (8 KB) are padded, so that the padding costs under 1/16 of a row where
 #: it is wasted (CPU, GPU), and only while the gathered rows take at most
 #: ``GATHER_PAD_MAX_BYTES``: the padded rows are cut back to the payload after the gather,
