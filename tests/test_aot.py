@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 import commjax as cj
 from commjax import _compat, aot
 from commjax import _hlo_traffic as hlo
+from commjax.accounting import parse_hlo_collectives
+from commjax.collectives._common import SHARD_PAD_MIN
 
 _TEXT = """HloModule jit_step, is_scheduled=true
 
@@ -297,6 +299,31 @@ def test_fsdp_gather_compiles_deviceless(target):
                         aot.abstract(sds((8 * 64, 1024), jnp.float32), mesh, P("data"))).compile()
     text = compiled.as_text()
     assert "all-gather" in text and ("all-to-all" in text or "reduce-scatter" in text or "all-reduce" in text)
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_zero_shards_travel_as_reduce_scatter_and_all_gather_on_tpu(codec):
+    """On a v5e, ZeRO's large shards (a chunk of 300,288 elements, not whole tiles) travel
+    as a reduce-scatter (or, coded, an all-to-all) and an all-gather of exactly the plan's
+    bytes (XLA's TPU compiler turns unaligned ones into all-reduces of twice the bytes); only
+    chunks under SHARD_PAD_MIN elements may go as an all-reduce (here the exact bias and
+    flag beside int8 leaves; exact, the smaller leaves, bias and flag are joined: 32,126 a
+    replica, padded)."""
+    target = "v5e:2x4"
+    mesh = aot.target_mesh(target)
+    params = {"w1": jax.ShapeDtypeStruct((2346, 1024), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((1000, 256), jnp.float32), "b": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+    kw = {} if codec is None else dict(grad_codec=cj.quantize(8), weight_codec=cj.quantize(8, stochastic=False))
+    tx = cj.zero(optax.adam(1e-3), "data", check_replicated=False, **kw)
+    text = aot.compile_update(tx, params, mesh).as_text()
+    rep = parse_hlo_collectives(text)
+    big = [c for c in rep.collectives if c.kind == "all-reduce" and c.operand_bytes >= 4 * 8 * SHARD_PAD_MIN]
+    assert not big and {"all-gather"} < {c.kind for c in rep.collectives}, rep.table()
+    # A small chunk's all-reduce sends twice its reduce-scatter's or all-gather's ring bytes.
+    doubled = sum(c.ring_bytes / 2 for c in rep.collectives if c.kind == "all-reduce")
+    assert rep.total_ring_bytes - doubled == pytest.approx(cj.communication_plan(tx, params, 8).compiled_bytes,
+                                                           abs=0.5), rep.table()
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")

@@ -9,7 +9,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat
-from commjax.collectives._common import GATHER_WORDS, gathered_width
+from commjax import collectives as cc
+from commjax.collectives._common import (
+    GATHER_WORDS, SHARD_PAD_MIN, SHARD_TILE, gathered_width, scatter_width, shard_width,
+)
 from commjax.testing import mlp_4m_params, update_collectives
 
 PARAMS = mlp_4m_params()
@@ -107,3 +110,58 @@ def test_padded_gather_decodes_the_mean_of_the_codes(mesh):
     codes = [np.asarray(codec.decode(codec.encode(x.reshape(-1), None), x.size)) for x in g]
     np.testing.assert_allclose(out[0].reshape(-1), np.mean(codes, 0), rtol=1e-6, atol=0)
     assert all(np.array_equal(r, out[0]) for r in out)
+
+
+def test_shard_widths_are_whole_tiles_of_the_reduce_scatter_shape():
+    """A replica's chunk of a sharded collective is padded to whole 1,024-element tiles from
+    16,384 elements on; an exact 1-D reduce-scatter's to ``2^k q`` tiles (``k >= 1``,
+    ``q <= 127``), the shapes a v5e keeps as a reduce-scatter. At most 1/16 (1/8) more;
+    padding a padded chunk changes nothing."""
+    assert [shard_width(e) for e in (5, 16383, 16384, 16385, 20001)] == [5, 16383, 16384, 17408, 20480]
+    assert scatter_width(17 * SHARD_TILE) == 18 * SHARD_TILE
+    assert scatter_width(2568 * SHARD_TILE) == 2592 * SHARD_TILE
+    for e in list(range(SHARD_PAD_MIN - 3, SHARD_PAD_MIN + 3000, 7)) + [10 ** k + 1 for k in range(5, 10)]:
+        for width, most in ((shard_width, 17 / 16), (scatter_width, 9 / 8)):
+            w = width(e)
+            assert e <= w <= e * most and width(w) == w, (e, w)
+        if e < SHARD_PAD_MIN:
+            assert scatter_width(e) == e
+            continue
+        tiles, rest = divmod(scatter_width(e), SHARD_TILE)
+        odd = tiles // (tiles & -tiles)
+        assert not rest and tiles % 2 == 0 and odd <= 127, (e, tiles)
+
+
+@pytest.mark.parametrize("codec", [None, cj.quantize(8, stochastic=False)], ids=["exact", "int8"])
+def test_padded_sharded_collectives_send_the_plan_and_the_same_values(mesh, codec):
+    """A 1-D reduce-scatter and all-gather of 66,816-element chunks travel padded (exact:
+    ``scatter_width``/``shard_width``; int8: payload rows padded to whole tiles): the
+    compiled HLO sends what the plan counts, and the values are those of ``lax``'s own
+    collectives (exact) or of the codec's decode (int8), on every replica."""
+    n, s = 8, 261 * 256  # chunks of 66 tiles padded; int8 rows of 16,965 words padded
+    x = jax.random.randint(jax.random.PRNGKey(0), (n, n * s), -1000, 1000).astype(jnp.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    def step(v):
+        mine = cc.reduce_scatter(v[0], "data", codec)
+        return mine[None], cc.all_gather(mine, "data", codec)[None]
+
+    fn = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")),
+                                   check_vma=False))
+    rep = cj.collective_bytes(fn, xs)
+    want = (cj.communication_plan(cc.reduce_scatter, jax.ShapeDtypeStruct((n * s,), jnp.float32), n,
+                                  codec=codec).compiled_bytes
+            + cj.communication_plan(cc.all_gather, jax.ShapeDtypeStruct((s,), jnp.float32), n,
+                                    codec=codec).compiled_bytes)
+    assert rep.total_ring_bytes == pytest.approx(want, abs=0.5), rep.table()
+    if codec is None:
+        assert {c.kind for c in rep.collectives} == {"reduce-scatter", "all-gather"}, rep.table()
+    mine, full = (np.asarray(a) for a in fn(xs))
+    total = np.asarray(x).sum(0).reshape(n, s)
+    if codec is None:
+        np.testing.assert_array_equal(mine, total)
+        np.testing.assert_array_equal(full, np.broadcast_to(total.reshape(-1), (n, n * s)))
+    else:
+        np.testing.assert_allclose(mine, total, rtol=0.02, atol=0.02 * np.abs(total).max())
+        decoded = np.concatenate([np.asarray(codec.decode(codec.encode(jnp.asarray(m), None), s)) for m in mine])
+        assert all(np.array_equal(r, decoded) for r in full)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.compressors.base import Compressor, Segment
-from commjax.collectives._common import _flag_bytes, _is_exact, _items
+from commjax.collectives._common import _flag_bytes, _is_exact, _items, scatter_width, shard_width
 from commjax.collectives._reducers import choose_reducer
 from commjax.collectives.gather import all_gather
 from commjax.collectives.permute import permute_bytes, ppermute
@@ -57,23 +57,31 @@ def _nbytes(leaf) -> int:
     return math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
 
 
+def _sent_bytes(leaf, n: int, width) -> int:
+    """Bytes of an exact sharded collective's operand (``n`` chunks): a 1-D one's chunks
+    travel padded to ``width`` (``shard_width`` or ``scatter_width``)."""
+    if jnp.ndim(leaf) != 1:
+        return _nbytes(leaf)
+    return n * width(jnp.shape(leaf)[0] // n) * jnp.dtype(jnp.result_type(leaf)).itemsize
+
+
 def _gather_bytes(leaves, codec, n) -> float:
-    if _is_exact(codec):
-        return sum(ring_bytes("all-gather", _nbytes(l), n) for l in leaves)
-    items = _items(leaves, codec, 1)
-    done = {it.index for it in items}
-    exact = sum(ring_bytes("all-gather", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
-    return exact + ring_bytes("all-gather", 4 * sum(it.words for it in items), n)
+    done = set() if _is_exact(codec) else {it.index for it in _items(leaves, codec, 1)}
+    exact = sum(ring_bytes("all-gather", _sent_bytes(l, 1, shard_width), n) for i, l in enumerate(leaves) if i not in done)
+    if not done:
+        return exact
+    words = sum(it.words for it in _items(leaves, codec, 1))
+    return exact + ring_bytes("all-gather", 4 * shard_width(words), n)
 
 
 def _scatter_bytes(leaves, codec, n) -> float:
-    if _is_exact(codec):
-        return sum(ring_bytes("reduce-scatter", _nbytes(l), n) for l in leaves)
-    items = _items(leaves, codec, n)
+    items = [] if _is_exact(codec) else _items(leaves, codec, n)
     done = {it.index for it in items}
-    exact = sum(ring_bytes("reduce-scatter", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
-    return exact + ring_bytes("all-to-all", 4 * n * sum(it.words for it in items), n) + (
-        _flag_bytes(codec, n) if items else 0.0)
+    exact = sum(ring_bytes("reduce-scatter", _sent_bytes(l, n, scatter_width), n) for i, l in enumerate(leaves) if i not in done)
+    if not items:
+        return exact
+    words = shard_width(sum(it.words for it in items))
+    return exact + ring_bytes("all-to-all", 4 * n * words, n) + _flag_bytes(codec, n)
 
 
 

@@ -18,7 +18,7 @@ from commjax.compressors.lossless import from_float32, to_float32
 from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _fallback_cond, _is_exact, _items, _names, _overflow_anywhere, _vary_out, decode_rows,
-    decode_sum, encode_rows, replica_key,
+    decode_sum, encode_rows, gather_flat, pad_rows, replica_key, scatter_flat,
 )
 
 
@@ -29,12 +29,16 @@ def _gather_impl(tree, axis_name, codec, key, invariant: bool):
     gather = (functools.partial(_compat.all_gather_invariant, axis_name=axis_name, tiled=True)
               if invariant else
               (lambda v: lax.all_gather(_vary_out(v, axis_name), axis_name, tiled=True)))
+
+    def exact(v):
+        return gather_flat(v, gather, n) if jnp.ndim(v) == 1 else gather(v)
+
     if _is_exact(codec):
-        return jax.tree_util.tree_unflatten(treedef, [gather(l) for l in leaves])
+        return jax.tree_util.tree_unflatten(treedef, [exact(l) for l in leaves])
     items = _items(leaves, codec, 1)
     out = list(leaves)
     for i in {it.index for it in items} ^ set(range(len(leaves))):
-        out[i] = gather(leaves[i])
+        out[i] = exact(leaves[i])
     if items:
         rkey = replica_key(codec, key, axis_name, "all_gather")
         # Exact conversions both ways: a gathered value arrives as it was sent, 16-bit NaN
@@ -42,8 +46,9 @@ def _gather_impl(tree, axis_name, codec, key, invariant: bool):
         flats = [jnp.pad(to_float32(jnp.ravel(leaves[it.index])), (0, it.padded - it.size))
                  for it in items]
         got = _gather_encoded(codec, flats, items, gather, rkey)
+        sent = sum(it.words for it in items)
         vals = _fallback_cond(
-            codec, lambda: codec.payload_overflow(got), lambda: _decode_items(codec, got, items),
+            codec, lambda: codec.payload_overflow(got[:, :sent]), lambda: _decode_items(codec, got, items),
             lambda: _decode_items(codec.fallback, _gather_encoded(codec.fallback, flats, items, gather, None),
                                   items))
         for it, v in zip(items, vals):
@@ -52,12 +57,13 @@ def _gather_impl(tree, axis_name, codec, key, invariant: bool):
 
 
 def _gather_encoded(codec, flats, items, gather, rkey):
-    """``[N, W]``: every replica's encoded leaves (replica ``r``'s words in row ``r``)."""
+    """``[N, shard_width(W)]``: every replica's encoded leaves (replica ``r``'s words in row
+    ``r``; the words past ``W`` are padding)."""
     words, start = [], 0
     for flat, it in zip(flats, items):
         words.append(encode_rows(codec, flat[None], rkey, start=start)[0])
         start += it.padded
-    return gather(jnp.concatenate(words)[None])
+    return gather(pad_rows(jnp.concatenate(words)[None]))
 
 
 def _decode_items(codec, got, items):
@@ -120,10 +126,13 @@ def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
     res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
 
     def exact(v):
-        if divide == 1:
-            return lax.psum_scatter(_vary_out(v, axis_name), axis_name, tiled=True)
-        out = lax.psum_scatter(_vary_out(prescale(v, divide), axis_name), axis_name, tiled=True)
-        return unscale_mean(out, divide)
+        v = _vary_out(v, axis_name)
+        pre = None if divide == 1 else (lambda x: prescale(x, divide))
+        if v.ndim == 1:
+            out = scatter_flat(v, axis_name, n, pre)
+        else:
+            out = lax.psum_scatter(v if pre is None else pre(v), axis_name, tiled=True)
+        return out if divide == 1 else unscale_mean(out, divide)
 
     if _is_exact(codec):
         out = [exact(l) for l in leaves]
@@ -137,13 +146,14 @@ def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
     if items:
         words = jnp.concatenate(_encode_chunks(codec, leaves, res_leaves, new_res, items, n,
                                                replica_key(codec, key, axis_name, "reduce_scatter")), axis=1)
-        got = _compat.all_to_all(words, axis_name)  # [N, W]
+        got = _compat.all_to_all(pad_rows(words), axis_name)  # [N, shard_width(W)]
 
         def raw():  # the same values (encoded from the same x + residual) in the fallback
             fb = codec.fallback
             fb_words = _encode_chunks(fb, leaves, res_leaves, None if res_leaves is None else list(res_leaves),
                                       [it._replace(words=fb.payload_words(it.padded)) for it in items], n, None)
-            return _sum_items(fb, _compat.all_to_all(jnp.concatenate(fb_words, axis=1), axis_name), items, divide)
+            return _sum_items(fb, _compat.all_to_all(pad_rows(jnp.concatenate(fb_words, axis=1)), axis_name),
+                              items, divide)
 
         totals = _fallback_cond(codec, lambda: _overflow_anywhere(codec, words, axis_name),
                                 lambda: _sum_items(codec, got, items, divide), raw)

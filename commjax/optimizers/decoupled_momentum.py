@@ -52,8 +52,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from commjax import _compat, guards, validation
+from commjax import guards, validation
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
+from commjax.collectives._common import gather_words, gathered_bytes
 from commjax.layout import per_replica
 
 __all__ = [
@@ -326,10 +327,11 @@ def _decode(cfg: _Config, got: jax.Array, groups, n_rep: int):
 
 
 def _exchange(cfg: _Config, words: jax.Array, n_rep: int) -> jax.Array:
-    """Every replica's words ``[N, W]`` in replica order (one all-gather of uint32)."""
+    """Every replica's words ``[N, W]`` in replica order (one all-gather of uint32, the row
+    padded to whole lane tiles: ``gather_words``)."""
     if cfg.axis_name is None or n_rep == 1:
         return words[None]
-    return _compat.all_gather_invariant(words, cfg.axis_name, tiled=False)
+    return gather_words(words, cfg.axis_name, n_rep, tiled=False)
 
 
 def _validate(cfg: _Config, leaves, state: DecoupledMomentumState, params: Any):
@@ -501,7 +503,7 @@ def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
     """What one [`decoupled_momentum`][commjax.optimizers.decoupled_momentum.decoupled_momentum]
     step sends per device (its
     [`commjax.communication_plan`][]): ``(N - 1) * 4 W`` for the all-gather of the ``W``
-    uint32 words of one replica's payload."""
+    uint32 words of one replica's payload (``W`` padded as ``gathered_width`` pads it)."""
     validation.check_positive_int("num_replicas", num_replicas, factory="communication_plan")
     leaves = jax.tree_util.tree_leaves(params)
     layout = _layout(leaves, cfg, "communication_plan")
@@ -509,5 +511,5 @@ def _plan(cfg: _Config, params: Any, num_replicas: int) -> CommunicationPlan:
     n = sum(math.prod(np.shape(l)) for l in leaves if jnp.issubdtype(jnp.result_type(l), jnp.floating))
     return CommunicationPlan(
         "decoupled_momentum", num_replicas,
-        (Transfer("top-k DCT coefficients", "all-gather", ring_bytes("all-gather", 4 * words, num_replicas)),),
+        (Transfer("top-k DCT coefficients", "all-gather", gathered_bytes(4 * words, num_replicas)),),
         ring_bytes("all-reduce", 4 * n, num_replicas))

@@ -27,11 +27,14 @@ replica ``r`` owns elements ``[r s, (r + 1) s)``. Leaves smaller than
 Bytes per step and device (ring convention, ``P_c(k)`` codec ``c``'s payload bytes for ``k``
 elements, ``S_c`` the compressed leaves' shard sizes, ``S_e`` the exact ones')::
 
-    reduce-scatter  (N-1)/N * N * sum P_g(s)  +  (N-1)/N * 4 N (sum S_e + 1)
-    all-gather      (N-1) * sum P_w(s)        +  (N-1) * 4 (sum S_e + 1)
+    reduce-scatter  (N-1)/N * N * T(sum P_g(s))  +  (N-1)/N * 4 N T(sum S_e + 1)
+    all-gather      (N-1) * T(sum P_w(s))        +  (N-1) * 4 T(sum S_e + 1)
 
 (the ``+ 1`` is the shared non-finite flag; without codecs every leaf is in the exact
-terms). Exact fp32 ZeRO sends ``2 (N-1)/N * 4 n``, an fp32 all-reduce's bytes;
+terms, and an exact shard of at least ``fsdp.JOIN_MAX`` elements travels in its own
+collective, its own ``T(S)``; ``T`` pads a replica's chunk to whole TPU tiles,
+``shard_width`` and ``scatter_width`` in ``commjax/collectives/_common.py``: from 16,384
+elements or words on, at most 1/16 more). Exact fp32 ZeRO sends ``2 (N-1)/N * 4 n``, an fp32 all-reduce's bytes;
 ``cj.quantize(bits=4)`` on both sides about ``4.125 / 32`` of it.
 [`commjax.communication_plan`][] gives the count for a parameter tree, equal to the
 compiled HLO's.
@@ -63,7 +66,7 @@ from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec
 from commjax.compressors.base import BlockCompressor, Compressor
 from commjax.fingerprint import check_made_for, made_for
-from commjax.fsdp import gather_exact, scatter_exact, shard_size
+from commjax.fsdp import exact_bytes, gather_exact, scatter_exact, shard_size
 from commjax.layout import per_replica
 from commjax.transform import AxisNotBoundError
 
@@ -617,9 +620,10 @@ def _plan_bytes(cfg: _Config, params: Any, num_replicas: int, inner_replicas: in
             ("gradient shards", "reduce_scatter", cfg.grad_codec, cfg.inner_grad_codec, n),
             ("weight shards", "all_gather", cfg.weight_codec, cfg.inner_weight_codec, 1)):
         coded = [vec(scale * l.shard) for l in plan if l.route == COMPRESS and codec is not None]
-        exact = sum(l.shard for l in plan if l.route != PASS) - sum(c.shape[0] for c in coded) // scale
-        exact += 1 if cfg.check_finite else 0
-        total = wire_bytes(op, [vec(scale * exact)] if exact else [], num_replicas, None, inner_size=inner_replicas)
+        exact = [vec(scale * l.shard) for l in plan
+                 if l.route == EXACT or (l.route == COMPRESS and codec is None)]
+        exact += [vec(scale)] if cfg.check_finite else []
+        total = exact_bytes(op, exact, num_replicas, inner_replicas) if exact else 0.0
         if coded:
             total += wire_bytes(op, coded, num_replicas, codec, inner_codec=inner_codec, inner_size=inner_replicas)
         transfers.append(Transfer(what, op.replace("_", "-"), total))
