@@ -11,7 +11,9 @@ import jax.numpy as jnp
 
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.compressors.base import Compressor, Segment
-from commjax.collectives._common import _flag_bytes, _is_exact, _items, scatter_width, shard_width
+from commjax.collectives._common import (
+    _flag_bytes, _is_exact, _items, gathered_bytes, scatter_width, shard_width,
+)
 from commjax.collectives._reducers import choose_reducer
 from commjax.collectives.gather import all_gather
 from commjax.collectives.permute import permute_bytes, ppermute
@@ -70,8 +72,7 @@ def _gather_bytes(leaves, codec, n) -> float:
     exact = sum(ring_bytes("all-gather", _sent_bytes(l, 1, shard_width), n) for i, l in enumerate(leaves) if i not in done)
     if not done:
         return exact
-    words = sum(it.words for it in _items(leaves, codec, 1))
-    return exact + ring_bytes("all-gather", 4 * shard_width(words), n)
+    return exact + gathered_bytes(4 * sum(it.words for it in _items(leaves, codec, 1)), n)
 
 
 def _scatter_bytes(leaves, codec, n) -> float:

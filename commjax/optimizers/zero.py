@@ -28,13 +28,14 @@ Bytes per step and device (ring convention, ``P_c(k)`` codec ``c``'s payload byt
 elements, ``S_c`` the compressed leaves' shard sizes, ``S_e`` the exact ones')::
 
     reduce-scatter  (N-1)/N * N * T(sum P_g(s))  +  (N-1)/N * 4 N T(sum S_e + 1)
-    all-gather      (N-1) * T(sum P_w(s))        +  (N-1) * 4 T(sum S_e + 1)
+    all-gather      (N-1) * G(sum P_w(s))        +  (N-1) * 4 T(sum S_e + 1)
 
 (the ``+ 1`` is the shared non-finite flag; without codecs every leaf is in the exact
 terms, and an exact shard of at least ``fsdp.JOIN_MAX`` elements travels in its own
 collective, its own ``T(S)``; ``T`` pads a replica's chunk to whole TPU tiles,
 ``shard_width`` and ``scatter_width`` in ``commjax/collectives/_common.py``: from 16,384
-elements or words on, at most 1/16 more). Exact fp32 ZeRO sends ``2 (N-1)/N * 4 n``, an fp32 all-reduce's bytes;
+elements or words on, at most 1/8 more; ``G`` pads a row of payload words to whole lane
+tiles while the gathered rows take at most 8 MB, ``gathered_width``). Exact fp32 ZeRO sends ``2 (N-1)/N * 4 n``, an fp32 all-reduce's bytes;
 ``cj.quantize(bits=4)`` on both sides about ``4.125 / 32`` of it.
 [`commjax.communication_plan`][] gives the count for a parameter tree, equal to the
 compiled HLO's.
