@@ -86,10 +86,11 @@ def shard_width(elements: int) -> int:
 def scatter_width(elements: int) -> int:
     """Elements a replica's chunk of ``elements`` takes on the wire in an exact 1-D
     reduce-scatter: ``shard_width``, and then ``t`` tiles of 1,024 with ``t = 2^k q``,
-    ``k >= 1``, ``q <= 127`` (at most 1/8 more, under 1/60 from 128 tiles on). XLA's TPU compiler keeps a reduce-scatter
-    on ``[8 N, 128 t]`` rows only for such ``t`` (v5e-8: t = 10, 1016, 4064, 8064 stay
-    reduce-scatters, t = 9, 1001, 2008, 2568, 8032 become all-reduces; v6e-8 only needs
-    ``t`` even; v4 and v5p compile every one as an all-reduce)."""
+    ``k >= 1``, ``q <= 127`` (at most 1/8 more, under 1/60 from 128 tiles on). XLA's TPU
+    compiler keeps a reduce-scatter on ``[8 N, 128 t]`` rows only for such ``t`` (v5e-8:
+    t = 10, 1016, 4064, 8064 stay reduce-scatters, t = 9, 1001, 2008, 2568, 8032 become
+    all-reduces; v6e-8 only needs ``t`` even; v4 and v5p compile every one as an
+    all-reduce)."""
     w = shard_width(elements)
     if w % SHARD_TILE:
         return w
@@ -112,9 +113,7 @@ def scatter_flat(v: jax.Array, axis_name: Any, num_replicas: int, pre: Any = Non
     if w != s:
         rows = jnp.pad(rows, ((0, 0), (0, w - s)))
     out = lax.psum_scatter(pre(rows.reshape(8 * num_replicas, w // 8)), axis_name, tiled=True)
-    # XLA keeps a reduce-scatter only while one slice reads its all-reduce form: slices of
-    # the result pushed through to it (several leaves read from one bucket) leave an all-reduce.
-    return lax.optimization_barrier(out).reshape(w)[:s]
+    return out.reshape(w)[:s]
 
 
 def gather_flat(v: jax.Array, gather: Any, num_replicas: int) -> jax.Array:
