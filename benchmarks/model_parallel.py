@@ -84,7 +84,9 @@ PIPELINE = {  # name: (codecs, targets: {what: value})
     "pipeline_int2_plain": (pl.Codecs(INT2), {}),
     "pipeline_powersgd4_lazy": (pl.Codecs(bwd=C("powersgd4"), lazy=True), {"bwd_x": 8.0, "gap": 0.01}),
     "pipeline_powersgd4_plain": (pl.Codecs(bwd=C("powersgd4")), {}),
-    "pipeline_powersgd4_lazy_epilogue": (pl.Codecs(bwd=C("powersgd4"), lazy=True, epilogue=True), {}),
+    # Optimus-CC's selective compression: only the epilogue's backward sends, each >= 8x.
+    "pipeline_powersgd4_lazy_epilogue": (pl.Codecs(bwd=C("powersgd4"), lazy=True, epilogue=True),
+                                         {"bwd_coded_x": 8.0, "gap": 0.01}),
     "tp_int8": (pl.Codecs(tp=C("int8")), {"model_x": 3.5, "gap": 0.005}),
     "tp_fp8": (pl.Codecs(tp=C("fp8")), {"model_x": 3.5, "gap": 0.005}),
     "tp_h4": (pl.Codecs(tp=C("h4")), {"model_x": 7.0, "gap": 0.015}),
@@ -93,11 +95,12 @@ PIPELINE = {  # name: (codecs, targets: {what: value})
 
 
 def _stage_directions(trainer) -> dict:
-    """Forward / backward stage-send bytes from the compiled step (pairs' direction)."""
+    """Forward / backward stage-send bytes from the compiled step (pairs' direction), in
+    all and per collective (``fwd_sends``, ``bwd_sends``)."""
     report = cj.collective_bytes(trainer._compiled)
     shape, names = trainer.mesh.devices.shape, trainer.mesh.axis_names
     k = names.index("stage")
-    out = {"fwd": 0.0, "bwd": 0.0}
+    out = {"fwd": 0.0, "bwd": 0.0, "fwd_sends": [], "bwd_sends": []}
     n = int(np.prod(shape))
     for c, axes in mesh_axes.collective_axes(report, trainer.mesh):
         if c.kind != "collective-permute" or axes != ("stage",):
@@ -107,6 +110,7 @@ def _stage_directions(trainer) -> dict:
         src, dst = mesh_axes._groups(mesh_axes._instruction_line(report.hlo_text, c.hlo_name), n)[0]
         forward = np.unravel_index(src, shape)[k] < np.unravel_index(dst, shape)[k]
         out["fwd" if forward else "bwd"] += float(c.ring_bytes)
+        out["fwd_sends" if forward else "bwd_sends"].append(float(c.ring_bytes))
     return out
 
 
@@ -147,7 +151,20 @@ def _ratios(base: dict, run: dict) -> dict:
         b, r = base["stage_sends"][d], run["stage_sends"][d]
         out[f"{d}_x"] = b / r if r else float("inf")
     out["fwd_x_bf16"] = out["fwd_x"] / 2  # a bf16 send is half the fp32 one
+    out["bwd_coded_x"] = _coded_ratio(base["stage_sends"]["bwd_sends"], run["stage_sends"]["bwd_sends"])
     return out
+
+
+def _coded_ratio(base: list, run: list) -> float:
+    """Bytes of the sends a run compresses, exact over compressed: the exact step's sends
+    are all of one size; a run's smaller collectives carry the sends it compresses (a
+    send may take several, PowerSGD's two factors), its full-size ones go exact."""
+    if not base or not run:
+        return 1.0
+    full = max(base)
+    coded = [b for b in run if b < full]
+    sends = len(base) - (len(run) - len(coded))
+    return sends * full / sum(coded) if coded else 1.0
 
 
 def _verdict(targets: dict, ratios: dict, gaps: list, base_losses: list) -> dict:
