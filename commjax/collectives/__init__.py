@@ -25,7 +25,12 @@ collective          result on every replica                               bytes 
 ``all_reduce``      ``sum_s C(x_s)`` by the chosen reducer (below)        see ``Reducer``
 ==================  ====================================================  ===========================
 
-``P`` is one replica's payload (``4 * payload_words``), ``P_c`` that of one chunk. Payloads
+``P`` is one replica's payload (``4 * payload_words``), ``P_c`` that of one chunk, each
+padded to whole TPU tiles: a reduce-scatter's rows of words and exact 1-D chunks to
+multiples of 1,024 from 16,384 on (``shard_width``; an exact reduce-scatter's chunk further
+to ``scatter_width``), an all-gather's row of words to multiples of 128 while
+the gathered rows take at most 8 MB (a TPU compiles other shapes as an all-reduce of twice
+the bytes; ``commjax/collectives/_common.py``). Payloads
 travel as unsigned 32-bit words (XLA on CPU widens 16- and 8-bit float collectives) and
 quantized codes are never summed by a collective (``psum`` on small integers wraps
 around): each replica decodes what it receives and sums in fp32 itself.
