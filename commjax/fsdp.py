@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from commjax import _compat, collectives as cc
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._bytes import wire_bytes
-from commjax.collectives._common import check_codec, scatter_width, shard_width
+from commjax.collectives._common import check_codec, join_rows, scatter_width, shard_width
 from commjax.guards import check_bound
 from commjax.compressors.base import Compressor
 
@@ -152,8 +152,8 @@ _scale_grad.defvjp(_scale_fwd, _scale_bwd)
 
 #: A 1-D vector whose chunk (per replica) has at least this many elements travels in a
 #: collective of its own: joining it with others copies it, on a TPU into a zero-filled
-#: buffer and again into the tile rows of the collective (v5e, exact ZeRO of a 21M MLP:
-#: 1.53 GB of HBM traffic joined, 1.10 GB apart).
+#: buffer and again into the tile rows of the collective (v5e, exact ZeRO of a 21M MLP,
+#: one-off compiles: 1.53 GB of HBM traffic joined, 1.10 GB apart).
 JOIN_MAX = 1 << 16
 
 
@@ -201,11 +201,9 @@ def gather_exact(vecs: list, axis_name: Any, *, inner_axis_name: Any = None,
                 out[i] = g
             continue
         sizes = [vecs[i].shape[0] for i in idx]
-        width = shard_width(sum(sizes))
-        pad = [jnp.zeros((width - sum(sizes),), vecs[idx[0]].dtype)] if width > sum(sizes) else []
-        full = cc.all_gather(jnp.concatenate([vecs[i] for i in idx] + pad), axis_name, None,
-                             inner_axis_name=inner_axis_name, invariant=invariant)
-        rows = full.reshape(-1, width)  # [N, W]: replica j's bucket in row j
+        joined = join_rows([vecs[i] for i in idx])
+        full = cc.all_gather(joined, axis_name, None, inner_axis_name=inner_axis_name, invariant=invariant)
+        rows = full.reshape(-1, joined.shape[0])  # [N, W]: replica j's bucket in row j
         off = 0
         for i, s in zip(idx, sizes):
             out[i] = rows[:, off:off + s].reshape(-1)
@@ -231,9 +229,7 @@ def scatter_exact(vecs: list, axis_name: Any, *, inner_axis_name: Any = None,
                 out[i] = g
             continue
         sizes = [vecs[i].shape[0] // num for i in idx]
-        width = scatter_width(sum(sizes))
-        pad = [jnp.zeros((num, width - sum(sizes)), vecs[idx[0]].dtype)] if width > sum(sizes) else []
-        rows = jnp.concatenate([vecs[i].reshape(num, s) for i, s in zip(idx, sizes)] + pad, axis=1)
+        rows = join_rows([vecs[i].reshape(num, s) for i, s in zip(idx, sizes)], scatter_width)
         mine = cc.reduce_scatter(rows.reshape(-1), axis_name, None,
                                  inner_axis_name=inner_axis_name, mean=mean)
         off = 0

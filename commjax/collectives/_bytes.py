@@ -68,11 +68,12 @@ def _sent_bytes(leaf, n: int, width) -> int:
 
 
 def _gather_bytes(leaves, codec, n) -> float:
-    done = set() if _is_exact(codec) else {it.index for it in _items(leaves, codec, 1)}
+    items = [] if _is_exact(codec) else _items(leaves, codec, 1)
+    done = {it.index for it in items}
     exact = sum(ring_bytes("all-gather", _sent_bytes(l, 1, shard_width), n) for i, l in enumerate(leaves) if i not in done)
-    if not done:
+    if not items:
         return exact
-    return exact + gathered_bytes(4 * sum(it.words for it in _items(leaves, codec, 1)), n)
+    return exact + gathered_bytes(4 * sum(it.words for it in items), n)
 
 
 def _scatter_bytes(leaves, codec, n) -> float:

@@ -5,7 +5,7 @@ payload overflows."""
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,8 @@ def _round_up(n: int, a: int) -> int:
 #: A gathered row of payload words is padded to a multiple of this many words: a TPU lays
 #: a u32 row out in 128-lane tiles and runs the all-gather of a row of another length as a
 #: zero-padded all-reduce, which sends twice the bytes (v5e, GPT-2-small int8 in 4 MB
-#: buckets, one-off compiles: 331 MB on the wire instead of 221 MB, 1.4x the HBM traffic). Only rows of
-#: at least 16 tiles (8 KB) are padded, so that the padding costs under 1/16 of a row where
+#: buckets, one-off compiles: 331 MB on the wire instead of 221 MB, 1.4x the HBM
+#: traffic). Only rows of at least 16 tiles (8 KB) are padded, so that the padding costs under 1/16 of a row where
 #: it is wasted (CPU, GPU), and only while the gathered rows take at most
 #: ``GATHER_PAD_MAX_BYTES``: the padded rows are cut back to the payload after the gather,
 #: a relayout that is free in a TPU's on-chip memory but a copy through HBM beyond it (GPT-2
@@ -70,8 +70,9 @@ def gathered_bytes(payload_bytes: float, num_replicas: int) -> float:
 #: tiled all-gather, all-to-all) is padded to a multiple of this many elements. A TPU runs
 #: such a collective natively only on chunks of whole (8, 128) tiles: an unaligned 1-D
 #: all-gather, and every 1-D reduce-scatter, is compiled as an all-reduce with twice the
-#: wire bytes and a zero-filled buffer (v5e, a 4096 x 4096 fp32 leaf: 151 MB of HBM traffic
-#: and 117 MB on the wire as a 1-D reduce-scatter, 75 MB and 59 MB on ``[8 N, s / 8]`` rows).
+#: wire bytes and a zero-filled buffer (v5e, a 4096 x 4096 fp32 leaf, one-off compiles: 151
+#: MB of HBM traffic and 117 MB on the wire as a 1-D reduce-scatter, 75 MB and 59 MB on
+#: ``[8 N, s / 8]`` rows).
 #: Chunks under ``SHARD_PAD_MIN`` elements stay as they are (the padding would cost over
 #: 1/16 of them, and such collectives are small).
 SHARD_TILE = 1024
@@ -99,20 +100,16 @@ def scatter_width(elements: int) -> int:
     return _round_up(tiles, step) * SHARD_TILE
 
 
-def scatter_flat(v: jax.Array, axis_name: Any, num_replicas: int, pre: Any = None) -> jax.Array:
-    """``lax.psum_scatter`` of ``pre(v)``, ``v`` 1-D ``[N s]`` (chunk ``r`` to replica
-    ``r``) -> ``[s]``, on ``[8 N, w / 8]`` rows of chunks padded to ``w = scatter_width(s)``
-    when ``w`` is whole tiles. ``pre`` (elementwise) runs on those rows, in the pass that
-    lays them out."""
-    pre = pre or (lambda x: x)
+def scatter_flat(v: jax.Array, axis_name: Any, num_replicas: int) -> jax.Array:
+    """``lax.psum_scatter`` of a 1-D ``[N s]`` (chunk ``r`` to replica ``r``) -> ``[s]``, on
+    ``[8 N, w / 8]`` rows of chunks padded to ``w = scatter_width(s)`` when ``w`` is whole
+    tiles."""
     s = v.shape[0] // num_replicas
     w = scatter_width(s)
     if w % SHARD_TILE:
-        return lax.psum_scatter(pre(v), axis_name, tiled=True)
-    rows = v.reshape(num_replicas, s)
-    if w != s:
-        rows = jnp.pad(rows, ((0, 0), (0, w - s)))
-    out = lax.psum_scatter(pre(rows.reshape(8 * num_replicas, w // 8)), axis_name, tiled=True)
+        return lax.psum_scatter(v, axis_name, tiled=True)
+    rows = join_rows([v.reshape(num_replicas, s)], scatter_width)
+    out = lax.psum_scatter(rows.reshape(8 * num_replicas, w // 8), axis_name, tiled=True)
     return out.reshape(w)[:s]
 
 
@@ -123,14 +120,14 @@ def gather_flat(v: jax.Array, gather: Any, num_replicas: int) -> jax.Array:
     w = shard_width(s)
     if w == s:
         return gather(v)
-    return gather(jnp.pad(v, (0, w - s))).reshape(num_replicas, w)[:, :s].reshape(-1)
+    return gather(join_rows([v])).reshape(num_replicas, w)[:, :s].reshape(-1)
 
 
-def join_rows(parts: Sequence[jax.Array]) -> jax.Array:
-    """Payload words ``[..., W_i]`` joined along the last axis and padded with zero words to
-    ``shard_width(sum W_i)``, in one concatenation (a pad after it is a copy on a TPU)."""
+def join_rows(parts: Sequence[jax.Array], width: Callable[[int], int] = shard_width) -> jax.Array:
+    """Arrays ``[..., W_i]`` joined along the last axis and padded with zeros to
+    ``width(sum W_i)``, in one concatenation (a pad after it is a copy on a TPU)."""
     w = sum(p.shape[-1] for p in parts)
-    pad = shard_width(w) - w
+    pad = width(w) - w
     if pad:
         parts = list(parts) + [jnp.zeros(parts[0].shape[:-1] + (pad,), parts[0].dtype)]
     return jnp.concatenate(parts, axis=-1)
