@@ -187,6 +187,10 @@ def methods(bucket_bytes: Any = None) -> dict:
         "zero_exact": (cj.zero(adam, "data"), "zero"),
         "zero_int8": (cj.zero(adam, "data", grad_codec=cj.quantize(8), weight_codec=cj.quantize(8)), "zero"),
         "zero_q4_qwd4": (cj.zero(adam, "data", grad_codec=cj.quantize(4), weight_codec=cj.quantize(4)), "zero"),
+        "zero_int8_pallas": (cj.zero(adam, "data", grad_codec=cj.quantize(8, kernels="pallas"),
+                                     weight_codec=cj.quantize(8, kernels="pallas")), "zero"),
+        "zero_q4_qwd4_pallas": (cj.zero(adam, "data", grad_codec=cj.quantize(4, kernels="pallas"),
+                                        weight_codec=cj.quantize(4, kernels="pallas")), "zero"),
     }
 
 

@@ -362,6 +362,20 @@ def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, st
     return new_master, vary(new_inner)
 
 
+def _materialized_on_tpu(tree: Any) -> Any:
+    """``tree`` unchanged, held in the layout it was decoded in on a TPU.
+
+    A TPU keeps a flat vector as ``[n / 128, 128]`` lane rows and a weight ``[R, C]`` in
+    ``(8, 128)`` tiles of its rows, so cutting a decoded vector into leaves is a relayout.
+    Without the barrier XLA moves the decode's multiply past that relayout and
+    materializes the per-block steps broadcast to the leaf's shape (two extra arrays of
+    the leaf's size); with it the decoded vector is written once and relaid as it is added.
+    v5e, 21M MLP, int8 ZeRO (one-off compiles): 1,364 MB of HBM traffic instead of 1,649.
+    GPUs fuse the decode into its consumer; a barrier there only adds a pass (H100: 850
+    MB instead of 682)."""
+    return lax.platform_dependent(tree, tpu=lax.optimization_barrier, default=lambda t: t)
+
+
 def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params: list,
                     flag: jax.Array, key):
     """Stage 3: every replica's new weights (or their change), decoded identically on
@@ -382,16 +396,18 @@ def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params
             got, parts = lax.optimization_barrier((got, parts))
         out = cc.all_gather(parts, cfg.axis_name, cfg.weight_codec, key=key,
                             inner_codec=cfg.inner_weight_codec, **kw)
-        for i, g in zip(coded, out):
+        if bad is not None:  # poisoned in the decode's own pass, before the barrier
+            out = [jnp.where(bad, jnp.nan, g) for g in out]
+        for i, g in zip(coded, _materialized_on_tpu(out)):
             full[i] = g
     updates = []
-    for l, f, p in zip(plan, full, params):
+    for i, (l, f, p) in enumerate(zip(plan, full, params)):
         if l.route == PASS:
             updates.append(jnp.zeros_like(p))
             continue
         w = f[:l.size].reshape(l.shape)
         u = w if cfg.weight_delta else w - p.astype(jnp.float32)
-        if bad is not None:
+        if bad is not None and i not in coded:
             u = jnp.where(bad, jnp.nan, u)
         updates.append(u.astype(l.dtype))
     return updates, bad
