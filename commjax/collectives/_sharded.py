@@ -65,9 +65,10 @@ def _gather_encoded(codec, flats, items, gather, rkey, n):
         start += it.padded
     # Padded as compressed_mean pads its gathered rows (only while they take at most
     # GATHER_PAD_MAX_BYTES: beyond, the padded row costs more HBM traffic on a TPU than the
-    # all-reduce it avoids; GPT-2 int8 ZeRO on v5e, one-off compiles: 11.9 GB padded, 9.9 GB
-    # not). Gathered as one vector: a [1, W] row gathers into [N, 1, W] lane rows, which a
-    # TPU then copies into (8, 128) tiles before the leaves are sliced out of it.
+    # all-reduce it avoids; int8 ZeRO on v5e, one-off compiles: GPT-2 11.1 GB padded, 9.5
+    # GB not; the MLP 1,592 and 1,199 MB). Gathered as one vector: a [1, W] row gathers
+    # into [N, 1, W] lane rows, which a TPU then copies into (8, 128) tiles before the
+    # leaves are sliced out of it.
     row = join_rows(words, lambda w: gathered_width(w, n))
     return gather(row).reshape(n, row.shape[0])
 
