@@ -169,14 +169,16 @@ MEANS = {
 }
 
 
-def methods(bucket_bytes: Any = None) -> dict:
+def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32) -> dict:
     """name -> (transform, family): the family names the exact row it is compared with.
     With ``bucket_bytes`` every compressed mean runs in buckets of that size
     (``compressed_mean(bucket_bytes=...)``) except the ``exact`` row, the baseline; the
-    exact mean in the same buckets is ``exact_bucketed``; no ZeRO rows."""
+    exact mean in the same buckets is ``exact_bucketed``; no ZeRO rows. Every compressed
+    mean keeps its residuals in ``residual_dtype``."""
     sgd = optax.sgd(0.1)
 
     def mean(codec, options, buckets=bucket_bytes):
+        options = {"residual_dtype": residual_dtype, **options}
         return optax.chain(cj.compressed_mean(codec, "data", bucket_bytes=buckets, **options), sgd), "mean"
 
     rows = {name: mean(*spec, buckets=None if name == "exact" else bucket_bytes) for name, spec in MEANS.items()}
@@ -194,11 +196,12 @@ def methods(bucket_bytes: Any = None) -> dict:
     }
 
 
-def measure(target: str, model: str, names: list, dump: Any = None, bucket_bytes: Any = None) -> list:
+def measure(target: str, model: str, names: list, dump: Any = None, table: Any = None) -> list:
+    """Each of ``names`` from ``table`` (``methods()`` by default) compiled and analyzed."""
     params = models()[model]
     mesh = aot.target_mesh(target)
     grad_bytes = sum(4 * a.size for a in jax.tree_util.tree_leaves(params))
-    table = methods(bucket_bytes)
+    table = methods() if table is None else table
     rows = []
     for name in names:
         tx, family = table[name]
@@ -263,6 +266,9 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="every compressed mean in buckets of this many MB (compressed_mean("
                          "bucket_bytes=...)); written to aot_<target>_<model>_b<MB>m.json")
+    ap.add_argument("--residual-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compressed_mean(residual_dtype=...) of every compressed mean; bfloat16 "
+                         "is written to aot_<target>_<model>[_b<MB>m]_bf16res.json")
     ap.add_argument("--dump", default=None, help="also write each compiled HLO into this folder")
     ap.add_argument("--train", action="store_true",
                     help="the train step of a model (--model gpt2s or mlp8x2048): overlap of the "
@@ -271,13 +277,14 @@ def main(argv: Any = None) -> int:
     if args.train:
         return _main_train(args, argv)
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
-    table_ = methods(bucket)
+    table_ = methods(bucket, jnp.dtype(args.residual_dtype))
     names = list(table_) if args.methods is None else args.methods.split(",")
     if "exact" not in names and any(table_[n][1] == "mean" for n in names):
         names = ["exact"] + names
-    rows = measure(args.target, args.model, names, args.dump, bucket)
+    rows = measure(args.target, args.model, names, args.dump, table_)
     print(table(rows))
-    suffix = "" if bucket is None else f"_b{args.bucket_mb:g}m"
+    suffix = ("" if bucket is None else f"_b{args.bucket_mb:g}m") + (
+        "_bf16res" if args.residual_dtype == "bfloat16" else "")
     out = RESULTS / f"aot_{args.target.replace(':', '_')}_{args.model}{suffix}.json"
     write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
                         "target": args.target, "model": args.model, "jax": jax.__version__, "rows": rows})
