@@ -57,7 +57,15 @@ def gather_words(words: jax.Array, axis_name: Any, num_replicas: int, *, tiled: 
     if words.ndim != 1 or wp == w:
         return _compat.all_gather_invariant(words, axis_name, tiled=tiled)
     got = _compat.all_gather_invariant(jnp.pad(words, (0, wp - w)), axis_name, tiled=False)[:, :w]
-    return got.reshape(-1) if tiled else got
+    if not tiled:
+        return got
+    # The same words either way. On a CPU every fused consumer of the flat view of the
+    # sliced rows divides each position by w (a div/mod per element); joining the rows
+    # costs a comparison per element instead (sign's two-phase mean of a 13.7M MLP, 4 CPU
+    # devices, one-off timing, median of 30 steps: 255 ms flat, 215 ms joined, 210 ms
+    # unpadded).
+    return lax.platform_dependent(got, cpu=lambda g: jnp.concatenate(list(g)),
+                                  default=lambda g: g.reshape(-1))
 
 
 def gathered_bytes(payload_bytes: float, num_replicas: int) -> float:
