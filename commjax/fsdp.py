@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from commjax import _compat, collectives as cc
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._bytes import wire_bytes
-from commjax.collectives._common import check_codec, join_rows, scatter_width, shard_width
+from commjax.collectives._common import check_codec, flat_columns, join_rows, scatter_width, shard_width
 from commjax.guards import check_bound
 from commjax.compressors.base import Compressor
 
@@ -206,7 +206,7 @@ def gather_exact(vecs: list, axis_name: Any, *, inner_axis_name: Any = None,
         rows = full.reshape(-1, joined.shape[0])  # [N, W]: replica j's bucket in row j
         off = 0
         for i, s in zip(idx, sizes):
-            out[i] = rows[:, off:off + s].reshape(-1)
+            out[i] = flat_columns(rows, off, off + s)
             off += s
     return out
 
