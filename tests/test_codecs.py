@@ -22,6 +22,10 @@ BLOCK_CODECS = {
     "q4_nearest": cj.quantize(4, stochastic=False),
     "q2_nearest": cj.quantize(2, stochastic=False),
     "q2_clip": cj.quantize(2, block_size=128, stochastic=False, clip_rms=1.22),
+    "q2_midrise": cj.quantize(2, midrise=True),
+    "q4_midrise_nearest": cj.quantize(4, stochastic=False, midrise=True),
+    "q2_midrise_clip": cj.quantize(2, block_size=128, stochastic=False, clip_rms=1.49, midrise=True),
+    "q8_midrise_block100": cj.quantize(8, block_size=100, midrise=True),
     "q4_block100": cj.quantize(4, block_size=100),
     "qsgd": cj.qsgd(),
     "qsgd7": cj.qsgd(levels=7, block_size=64),
@@ -304,6 +308,44 @@ def test_clip_rms_cuts_the_error_of_nearest_codes(bits, clip, most, gain):
     plain = _mse(cj.quantize(bits, block_size=128, stochastic=False), x)
     clipped = _mse(cj.quantize(bits, block_size=128, stochastic=False, clip_rms=clip), x)
     assert clipped <= most and clipped < gain * plain, (clipped, plain)
+
+
+@pytest.mark.parametrize("bits,clip,most,gain", [(2, None, 0.32, 0.55), (2, 1.49, 0.12, 0.65),
+                                                 (4, None, 0.0122, 0.9)])
+def test_midrise_uses_every_code_and_cuts_the_error(bits, clip, most, gain):
+    """Gaussian blocks of 128, nearest rounding: the midrise grid uses all ``2**bits``
+    codes and its squared error is below the midtread grid's at the same bytes (2 bits:
+    0.31 against 0.59 unclipped, 0.117 at ``clip_rms=1.49`` against 0.19 at 1.22; 4
+    bits: 0.0120 against 0.0138), as the docstring of ``quantize`` says."""
+    x = jax.random.normal(jax.random.PRNGKey(bits), (128 * 512,))
+    mid = cj.quantize(bits, block_size=128, stochastic=False, clip_rms=clip, midrise=True)
+    tread = cj.quantize(bits, block_size=128, stochastic=False, clip_rms=1.22 if clip else None)
+    assert mid.payload_bytes(x.size) == tread.payload_bytes(x.size)
+    assert _mse(mid, x) <= most and _mse(mid, x) < gain * _mse(tread, x), (_mse(mid, x), _mse(tread, x))
+    rows = mid.encode(x, None).reshape(512, -1)
+    codes = np.asarray(unpack_codes(rows[:, :-1], bits, 128))
+    assert set(np.unique(codes)) == set(range(2 ** bits))
+    # Every decoded value is an odd multiple of s / K: no zero level.
+    s = np.asarray(rows[:, -1]).view(np.float32)[:, None]
+    k = 2 ** bits - 1
+    lv = np.asarray(mid.roundtrip(x)).reshape(512, 128) / (s / k)
+    np.testing.assert_allclose(lv, np.round(lv), atol=1e-3)
+    assert np.all(np.round(lv) % 2 == 1)
+
+
+def test_midrise_nearest_is_within_a_step_and_has_its_own_fingerprint():
+    """Nearest midrise codes are within half a level spacing (``s / K``) of the value,
+    over magnitudes from 2**-100 to 2**100; the option joins the fingerprint only when set."""
+    q = cj.quantize(4, block_size=64, stochastic=False, midrise=True)
+    for e in (-100, -20, 0, 20, 100):
+        x = jax.random.normal(jax.random.PRNGKey(e + 200), (64 * 32,)) * 2.0 ** e
+        s = jnp.max(jnp.abs(x.reshape(32, 64)), axis=1, keepdims=True)
+        err = jnp.abs(q.roundtrip(x).reshape(32, 64) - x.reshape(32, 64))
+        assert bool(jnp.all(err <= s / 15 * (1 + 1e-5))), e
+    assert "midrise" not in describe(cj.quantize(4))
+    assert "midrise=True" in describe(q)
+    with pytest.raises(ValueError, match="midrise"):
+        cj.quantize(4, midrise="yes")
 
 
 def test_clip_rms_codes_do_not_depend_on_magnitude():

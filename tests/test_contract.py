@@ -57,6 +57,7 @@ VARIANTS = {
     "top_k_chunk_bf16": cj.top_k(0.1, chunk_size=512, values_dtype=jnp.bfloat16),
     "top_k_model": cj.top_k(0.1, scope="model"),
     "random_k_bf16": cj.random_k(0.1, values_dtype=jnp.bfloat16),
+    "q2_midrise": cj.quantize(2, midrise=True),
 }
 
 

@@ -145,6 +145,8 @@ def test_bad_arguments():
         kernels.quantize_blocks(x, bits=1)
     with pytest.raises(ValueError, match="`levels` must be in \\[1, 7\\]"):
         kernels.quantize_blocks(x, bits=4, levels=8)
+    with pytest.raises(ValueError, match="midrise=True `levels` is 2\\*\\*bits - 1 = 15"):
+        kernels.quantize_blocks(x, bits=4, levels=7, midrise=True)
     with pytest.raises(ValueError, match="`output` must be one of"):
         kernels.quantize_blocks(x, bits=4, output="codes")
     with pytest.raises(ValueError, match="`uniforms` must have x's shape"):
@@ -169,23 +171,25 @@ def test_encode_kernels_bit_identical(n, block, tile):
     """Fused quantize (8/4/2 bits, stochastic or nearest, with or without error feedback,
     every output) and sign kernels against their references, in one program per mode."""
     x, u, e = _blocks(n, block, salt=n)
-    qconfigs = [  # (bits, stochastic, error feedback, output)
-        (8, True, True, "residual"), (8, False, False, None), (4, True, False, "decoded"),
-        (4, False, True, "residual"), (2, True, True, None), (2, False, False, "decoded"),
+    qconfigs = [  # (bits, stochastic, error feedback, output, midrise)
+        (8, True, True, "residual", False), (8, False, False, None, False), (4, True, False, "decoded", False),
+        (4, False, True, "residual", False), (2, True, True, None, False), (2, False, False, "decoded", False),
+        (8, False, True, "decoded", True), (4, True, True, "residual", True), (2, True, False, "decoded", True),
     ]
     sconfigs = [(True, "residual"), (False, None), (False, "decoded")]
     if n > 100_000:
-        qconfigs, sconfigs = [(4, True, True, "residual"), (2, False, False, "decoded")], sconfigs[:1]
+        qconfigs, sconfigs = [(4, True, True, "residual", False), (2, False, False, "decoded", False),
+                              (4, False, False, "decoded", True)], sconfigs[:1]
 
     def f(impl, x, u, e):
         q = [kernels.quantize_blocks(x, bits=b, uniforms=u if st else None, residual=e if ef else None,
-                                     output=out, tile=tile, impl=impl) for b, st, ef, out in qconfigs]
+                                     output=out, tile=tile, impl=impl, midrise=mr) for b, st, ef, out, mr in qconfigs]
         s = [kernels.sign_blocks(x, residual=e if ef else None, output=out, tile=tile, impl=impl)
              for ef, out in sconfigs]
         return q, s
 
     res = run_impls(f, x, u, e)
-    checks = [(f"quantize bits={b} stochastic={st} ef={ef}", out) for b, st, ef, out in qconfigs]
+    checks = [(f"quantize bits={b} stochastic={st} ef={ef} midrise={mr}", out) for b, st, ef, out, mr in qconfigs]
     checks += [(f"sign ef={ef}", out) for ef, out in sconfigs]
     got = res["interpret"][0] + res["interpret"][1]
     ref = res["reference"][0] + res["reference"][1]
@@ -236,6 +240,7 @@ def test_quantize_reference_is_the_codec_and_the_format():
 # The codecs' decode constants: (bits, offset, step, divisor).
 DECODERS = {
     "quantize8": (8, 127, 1, 127), "quantize4": (4, 7, 1, 7), "quantize2": (2, 1, 1, 1),
+    "quantize4_midrise": (4, 15, 2, 15), "quantize2_midrise": (2, 3, 2, 3),
     "qsgd16": (6, 16, 1, 16), "terngrad": (2, 1, 1, None), "sign": (1, 1, 2, None),
 }
 

@@ -46,19 +46,20 @@ def test_lane_row_packing_is_pack_codes(bits, block):
     np.testing.assert_array_equal(np.asarray(back), np.asarray(codes).reshape(-1, 128))
 
 
-@pytest.mark.parametrize("bits,levels", [(8, 127), (4, 7), (2, 1)])
+@pytest.mark.parametrize("bits,levels,midrise", [(8, 127, False), (4, 7, False), (2, 1, False),
+                                                 (4, 15, True), (2, 3, True)])
 @pytest.mark.parametrize("block", [128, 256, 1024])
 @pytest.mark.parametrize("output", [None, "decoded", "residual"])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_quantize_lane_rows(bits, levels, block, output, stochastic):
+def test_quantize_lane_rows(bits, levels, midrise, block, output, stochastic):
     x, e, u = _inputs(block, bits)
     u = u if stochastic else None
-    kw = dict(bits=bits, levels=levels, output=output)
+    kw = dict(bits=bits, levels=levels, output=output, midrise=midrise)
     _same(R.quantize_block_rows(x, u, e, **kw), R.quantize_lane_rows(x, u, e, **kw))
 
 
 @pytest.mark.parametrize("bits,offset,step,divisor", [(8, 127, 1, 127), (4, 7, 1, 7), (2, 1, 1, None),
-                                                     (1, 1, 2, None)])
+                                                     (1, 1, 2, None), (4, 15, 2, 15)])
 @pytest.mark.parametrize("block", [128, 256, 1024])
 def test_decode_lane_rows(bits, offset, step, divisor, block):
     rows = jax.random.bits(jax.random.PRNGKey(block), (6, block * bits // 32 + 1), jnp.uint32)
@@ -148,8 +149,9 @@ def test_quantize_lane_kernel_is_the_reference(bits, block):
     x, e, u = _kernel_inputs(37, block, bits)
     key = jax.random.key(block)
     for noise in ({}, {"uniforms": u}, {"noise_key": key, "noise_start": 2 ** 32 - 300}):
-        for output, res in ((None, None), ("decoded", None), ("residual", e)):
-            kw = dict(bits=bits, output=output, residual=res, **noise)
+        for output, res, mr in ((None, None, False), ("decoded", None, False), ("residual", e, False),
+                                ("residual", e, True)):
+            kw = dict(bits=bits, output=output, residual=res, midrise=mr, **noise)
             got = Q.quantize_blocks(x, impl="interpret", **kw)
             want = Q.quantize_blocks(x, impl="reference", **kw)
             _same(got, want, bits=True)

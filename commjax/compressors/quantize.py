@@ -138,13 +138,13 @@ class _ScaledCodec(BlockCompressor):
 
 
 def _absmax_feedback(codec: _ScaledCodec, x, residual, key, start: int, *, levels: int,
-                     stochastic: bool):
+                     stochastic: bool, midrise: bool = False):
     """``(encode(x + e), x + e - decode(encode(x + e)))`` of an absmax codec (quantize,
     unclipped TernGrad), flat in and out, from one [`commjax.kernels.quantize_blocks`][]
     pass with ``output="residual"``."""
     nb = x.shape[0] // codec.block
     rows, res = _kernels.quantize_blocks(
-        x.reshape(nb, codec.block), bits=codec.bits, levels=levels, **_noise(key, stochastic, start),
+        x.reshape(nb, codec.block), bits=codec.bits, levels=levels, midrise=midrise, **_noise(key, stochastic, start),
         residual=residual.reshape(nb, codec.block), output="residual", impl=codec.kernels,
     )
     return rows.reshape(-1), res.reshape(-1)
@@ -178,6 +178,7 @@ class Quantize(_ScaledCodec):
     # existed keep theirs (commjax.fingerprint.describe).
     clip_rms: Optional[float] = dataclasses.field(default=None, kw_only=True,
                                                   metadata={"fingerprint_if_set": True})
+    midrise: bool = dataclasses.field(default=False, kw_only=True, metadata={"fingerprint_if_set": True})
     name: ClassVar[str] = "quantize"
 
     @property
@@ -190,8 +191,9 @@ class Quantize(_ScaledCodec):
 
     @property
     def levels(self) -> int:
-        """``L = 2**(bits-1) - 1``: codes are the integers ``-L..L``."""
-        return 2 ** (self.num_bits - 1) - 1
+        """``L = 2**(bits-1) - 1``: codes are the integers ``-L..L``; midrise:
+        ``K = 2**bits - 1``, the levels ``2 c - K`` for the codes ``c = 0..K``."""
+        return 2 ** self.num_bits - 1 if self.midrise else 2 ** (self.num_bits - 1) - 1
 
     @property
     def offset(self) -> int:
@@ -201,6 +203,9 @@ class Quantize(_ScaledCodec):
     def divisor(self) -> int:
         return self.levels
 
+    def _decode_options(self) -> dict:
+        return super()._decode_options() | {"step": 2 if self.midrise else 1}
+
     def encode_blocks(self, blocks, key, start=0):
         # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale],
         # fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
@@ -208,7 +213,7 @@ class Quantize(_ScaledCodec):
         if self.clip_rms is not None:
             blocks = _clip_to_rms(blocks, self.clip_rms)
         return _kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, output=None,
-                                        **_noise(key, self.stochastic_rounding, start),
+                                        midrise=self.midrise, **_noise(key, self.stochastic_rounding, start),
                                         impl=self.kernels)[0]
 
     def encode_feedback(self, x, residual, key, *, start=0):
@@ -220,7 +225,7 @@ class Quantize(_ScaledCodec):
         if self.clip_rms is not None:
             return super().encode_feedback(x, residual, key, start=start)
         return _absmax_feedback(self, x, residual, key, start, levels=self.levels,
-                                stochastic=self.stochastic_rounding)
+                                stochastic=self.stochastic_rounding, midrise=self.midrise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +312,8 @@ class TernGrad(_ScaledCodec):
 
 
 def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
-             clip_rms: Optional[float] = None, kernels: Optional[str] = None) -> Quantize:
+             clip_rms: Optional[float] = None, midrise: bool = False,
+             kernels: Optional[str] = None) -> Quantize:
     """Blockwise absmax quantization.
 
     Each block of ``block_size`` elements sends its scale ``s = max_i |x_i|`` (fp32) and
@@ -332,12 +338,27 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
     where the residual keeps what was cut off. Same wire format and decode; the encode
     costs one more pass over the block.
 
+    **Midrise** (``midrise=True``): the grid without a zero level, which uses every one
+    of the ``2**bits`` codes: ``x_hat_i = (2 c_i - K) s / K`` with ``K = 2**bits - 1`` and
+    ``c_i = R((x_i / s * K + K) / 2)`` in ``0..K``. The midtread grid leaves one code
+    unused, which costs most at 2 bits: ``{-1, 0, +1}`` against ``{-1, -1/3, +1/3, +1}``
+    times ``s``. Rounded to nearest, the squared error of Gaussian blocks of 128 is 0.31
+    of their energy (midtread: 0.59) and 0.117 at ``clip_rms=1.49``, the minimum
+    (midtread: 0.19 at 1.22; Laplace data 0.19 at 1.6 against 0.26); 4 bits: 0.0120
+    against 0.0138 unclipped. Stochastic rounding's variance is at most ``(s / K)**2``
+    per value against ``(s / 2L)**2`` (2 bits: ``s**2 / 9`` against ``s**2 / 4``). A
+    zero is not a level (a block of zeros still decodes to zeros: its scale is 0). The same
+    bytes, another wire format: both ends must use the same ``midrise``.
+
     Args:
-      bits: code width, one of 8, 4, 2 (2 bits gives the levels {-1, 0, +1}).
+      bits: code width, one of 8, 4, 2 (2 bits: the levels {-1, 0, +1}, midrise
+        {-1, -1/3, +1/3, +1}).
       block_size: elements per scale; multiples of 32 waste no packing space.
       stochastic: unbiased stochastic rounding (default) or round-to-nearest.
       clip_rms: ``c > 0`` clips each block to ``+-c`` times its RMS before the scale is
         taken (``None``: no clipping, the absmax scale).
+      midrise: every code used, no zero level (above); ``False``: the levels
+        ``-L..L``.
       kernels: the [`commjax.kernels`][] implementation that encodes and decodes:
         ``"auto"``, ``"pallas"``, ``"interpret"``, ``"reference"``, or ``None``
         (``$COMMJAX_KERNELS`` if set, else ``"auto"``). The bits do not depend on it.
@@ -346,12 +367,13 @@ def quantize(bits: int = 8, block_size: int = 256, stochastic: bool = True, *,
     check_positive_int("block_size", block_size, factory="quantize")
     _kernels.check_impl(kernels, "quantize", "kernels")
     stochastic = check_bool("stochastic", stochastic, factory="quantize")
+    midrise = check_bool("midrise", midrise, factory="quantize")
     if clip_rms is not None:
         # An RMS is at least max|x| / sqrt(block_size): below 1 / sqrt(block_size) every
         # block would be clipped; past sqrt(block_size) none is.
         clip_rms = check_float("clip_rms", clip_rms, 0.0, math.inf, factory="quantize", lo_open=True)
     return Quantize(block_size=block_size, num_bits=bits, stochastic_rounding=stochastic,
-                    clip_rms=clip_rms, kernels=kernels)
+                    clip_rms=clip_rms, midrise=midrise, kernels=kernels)
 
 
 def qsgd(levels: int = 16, block_size: int = 256, *, kernels: Optional[str] = None) -> QSGD:

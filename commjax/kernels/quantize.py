@@ -20,6 +20,14 @@ alike, so no compiler's fused multiply-add changes a code or a residual.
 ``L = 2**(bits-1) - 1`` for [`commjax.quantize`][] (127, 7, 1 for 8, 4, 2 bits);
 TernGrad is the case ``bits=2, L=1`` with stochastic rounding.
 
+**Midrise** (``midrise=True``): the grid without a zero level, which uses every code
+(``{-1, -1/3, 1/3, 1}`` times ``s`` for 2 bits where the midtread grid has
+``{-1, 0, 1}``). With ``K = 2**bits - 1`` (odd) in place of ``L``::
+
+    q_i = y_i * (K * (1 / s))                      in [-K, K]
+    c_i = clip(floor((q_i + K) / 2 + u_i), 0, K)   (round_half_even without u)
+    y_hat_i = (2 c_i - K) * (s / K)
+
 Two kernels, one pass each:
 
 * **lane rows** (``commjax.kernels._lanes``; blocks of whole 128-lane rows whose packed
@@ -67,32 +75,31 @@ from commjax.kernels._bits import pack_tile
 from commjax.kernels._dispatch import dispatch, fence, resolve_impl
 from commjax.kernels._lanes import check_noise, drawn, lane_encode
 from commjax.kernels._tiling import lane_rowable, row_call, tile_rows
-from commjax.kernels.reference import quantize_reference, row_constants
+from commjax.kernels.reference import grid_codes, grid_levels, quantize_reference, row_constants
 
 __all__ = ["quantize_blocks", "OUTPUTS"]
 
 OUTPUTS = (None, "decoded", "residual")
 
 
-def quantize_tile(x, u, e, c, sl, scale_word, *, bits: int, levels: int, output: Optional[str]):
+def quantize_tile(x, u, e, c, sl, scale_word, *, bits: int, levels: int, output: Optional[str],
+                  midrise: bool = False):
     """One tile of rows, as every kernel body computes it (values, not refs): ``c``,
     ``sl``, ``scale_word`` are the tile's ``[T, 1]`` slices of
     ``row_constants``."""
     if e is not None:
         x = x + e.astype(jnp.float32)
-    q = fence(x * c, c)
-    r = jnp.floor(q + u) if u is not None else jnp.round(q)
-    lv = jnp.clip(r, -levels, levels)
-    codes = (lv + levels).astype(jnp.int32)
+    codes = grid_codes(fence(x * c, c), u, levels=levels, midrise=midrise)
     words = pack_tile(codes.astype(jnp.uint32), bits)
     row = jnp.concatenate([words, scale_word], axis=1)
     if output is None:
         return row, None
-    decoded = fence((codes - levels).astype(jnp.float32) * sl, sl)
+    decoded = fence(grid_levels(codes, levels=levels, midrise=midrise) * sl, sl)
     return row, decoded if output == "decoded" else x - decoded
 
 
-def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any = False):
+def _pallas(x, uniforms, residual, *, bits, levels, output, tile, midrise: bool = False,
+            interpret: Any = False):
     rows, block = x.shape
     has_u, has_e = uniforms is not None, residual is not None
     scale, c, sl = row_constants(x, residual, levels=levels)
@@ -108,7 +115,8 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
         e = refs.pop(0)[...] if has_e else None
         cv, sw = refs.pop(0)[...], refs.pop(0)[...]
         slv = refs.pop(0)[...] if output is not None else None
-        row, out = quantize_tile(x_ref[...], u, e, cv, slv, sw, bits=bits, levels=levels, output=output)
+        row, out = quantize_tile(x_ref[...], u, e, cv, slv, sw, bits=bits, levels=levels, output=output,
+                                 midrise=midrise)
         refs[0][...] = row
         if output is not None:
             refs[1][...] = out
@@ -121,20 +129,23 @@ def _pallas(x, uniforms, residual, *, bits, levels, output, tile, interpret: Any
     return outs[0], (outs[1] if output is not None else None)
 
 
-def _int_codes(y, c, u, *, levels: int):
-    """The lane-row kernel's codes of ``y`` (``codes``, ``codes - L`` as fp32): ``u`` the
-    noise, ``None`` for nearest rounding."""
-    q = fence(y * c, c)
-    r = jnp.round(q) if u is None else jnp.floor(q + u)
-    codes = (jnp.clip(r, -levels, levels) + levels).astype(jnp.int32)
-    return codes.astype(jnp.uint32), (codes - levels).astype(jnp.float32)
+def _int_codes(y, c, u, *, levels: int, midrise: bool):
+    """The lane-row kernel's codes of ``y`` (``codes``, their signed levels as fp32):
+    ``u`` the noise, ``None`` for nearest rounding."""
+    codes = grid_codes(fence(y * c, c), u, levels=levels, midrise=midrise)
+    return codes.astype(jnp.uint32), grid_levels(codes, levels=levels, midrise=midrise)
 
 
-def _check(x, uniforms, residual, bits, levels, output) -> int:
+def _check(x, uniforms, residual, bits, levels, output, midrise) -> int:
     """The arguments of [`quantize_blocks`][commjax.kernels.quantize.quantize_blocks] checked;
-    returns ``L``."""
+    returns ``K``."""
     if not 2 <= bits <= 16:
         raise ValueError(f"quantize_blocks: `bits` must be in [2, 16], got {bits!r}.")
+    if midrise:
+        if levels is not None and levels != 2 ** bits - 1:
+            raise ValueError(f"quantize_blocks: with midrise=True `levels` is 2**bits - 1 = {2 ** bits - 1} "
+                             f"(every code is used), got {levels!r}; pass levels=None.")
+        return 2 ** bits - 1
     max_levels = 2 ** (bits - 1) - 1
     levels = max_levels if levels is None else int(levels)
     if not 1 <= levels <= max_levels:
@@ -154,6 +165,7 @@ def quantize_blocks(
     *,
     bits: int,
     levels: Optional[int] = None,
+    midrise: bool = False,
     uniforms: Optional[jax.Array] = None,
     residual: Optional[jax.Array] = None,
     output: Optional[str] = "decoded",
@@ -167,7 +179,10 @@ def quantize_blocks(
     Args:
       x: one codec block per row.
       bits: code width (2..16; [`commjax.quantize`][] uses 8, 4, 2).
-      levels: ``L``, at most ``2**(bits-1) - 1`` (the default).
+      levels: ``L``, at most ``2**(bits-1) - 1`` (the default); with ``midrise``
+        always ``K = 2**bits - 1``.
+      midrise: the grid without a zero level, ``(2 c - K) s / K`` for the codes
+        ``c = 0..K``: every code is used (see the module docstring).
       uniforms: ``float32[nb, B]`` in ``[0, 1)`` for stochastic rounding; ``None`` rounds
         to nearest (half to even).
       residual: optional error-feedback residual ``e`` (``[nb, B]``, any float dtype),
@@ -186,10 +201,10 @@ def quantize_blocks(
       ``(rows, out)``: ``uint32[nb, packed_words(B, bits) + 1]`` wire rows and the requested
       ``float32[nb, B]`` output (``None`` if ``output is None``).
     """
-    levels = _check(x, uniforms, residual, bits, levels, output)
+    levels = _check(x, uniforms, residual, bits, levels, output, bool(midrise))
     check_noise(uniforms, noise_key, "quantize_blocks")
     impl = resolve_impl(impl, "quantize_blocks")
-    opts = dict(bits=bits, levels=levels, output=output)
+    opts = dict(bits=bits, levels=levels, output=output, midrise=bool(midrise))
     reference = drawn(functools.partial(quantize_reference, **opts), noise_start)
     args = (x, uniforms, residual, noise_key)
     # Levels below 4 can need a per-row pre-scale (row_prescale) the kernels do not take.
@@ -198,7 +213,7 @@ def quantize_blocks(
     if lane_rowable(x.shape[1], bits):
         def kernel(x, u, e, key, **kw):
             return lane_encode(x, u, e, key, noise_start, bits=bits, levels=levels, output=output,
-                               codes=functools.partial(_int_codes, levels=levels),
+                               codes=functools.partial(_int_codes, levels=levels, midrise=bool(midrise)),
                                name=f"commjax_quantize{bits}_lanes", **kw)
     else:
         kernel = drawn(functools.partial(_pallas, tile=tile, **opts), noise_start)

@@ -150,6 +150,28 @@ def absmax_constants(scale: jax.Array, *, levels: float):
     return scale, safe_recip(scale if pre is None else scale * pre, float(levels)), scale / levels
 
 
+def grid_codes(q: jax.Array, u: Optional[jax.Array], *, levels: int, midrise: bool) -> jax.Array:
+    """Unsigned int32 codes of ``q = y * (K / s)`` (in ``[-K, K]``), ``u`` the noise or
+    ``None`` for nearest rounding (half to even).
+
+    Midtread (``K = L``, a zero level): ``clip(R(q), -L, L) + L``, codes ``0..2L``.
+    Midrise (``K = 2**bits - 1``, odd, no zero level: every code is used):
+    ``clip(R((q + K) / 2), 0, K)``, the level ``2 c - K`` of step 2."""
+    if midrise:
+        h = (q + float(levels)) * 0.5  # exact halving: no fused multiply-add can change it
+        r = jnp.floor(h + u) if u is not None else jnp.round(h)
+        return jnp.clip(r, 0, levels).astype(jnp.int32)
+    r = jnp.floor(q + u) if u is not None else jnp.round(q)
+    return (jnp.clip(r, -levels, levels) + levels).astype(jnp.int32)
+
+
+def grid_levels(codes: jax.Array, *, levels: int, midrise: bool) -> jax.Array:
+    """fp32 signed levels of ``grid_codes``' codes (multiply by ``s / K``): ``c - L``
+    (midtread) or ``2 c - K`` (midrise); the wire decoders' ``levels_of`` with step 1
+    or 2."""
+    return levels_of(codes, offset=levels, step=2 if midrise else 1)
+
+
 def quantize_reference(
     x: jax.Array,
     uniforms: Optional[jax.Array],
@@ -158,6 +180,7 @@ def quantize_reference(
     bits: int,
     levels: int,
     output: Optional[str],
+    midrise: bool = False,
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """Blockwise absmax quantization of the rows of ``x`` (maths in
     ``commjax.kernels.quantize``): ``(rows, decoded | residual | None)``.
@@ -166,7 +189,7 @@ def quantize_reference(
     ``[n / 128, 128]`` (``quantize_lane_rows``, the same bits): that view is the
     vector's own memory layout there, while ``[nb, B]`` is a relayout of every input
     and output (the v5e int8 mean of a 21M-parameter MLP: ``benchmarks/aot.py``)."""
-    kw = dict(bits=bits, levels=levels, output=output)
+    kw = dict(bits=bits, levels=levels, output=output, midrise=midrise)
     if x.shape[1] % 128 or not packing.sliced(bits) or x.shape[0] == 0:
         return quantize_block_rows(x, uniforms, residual, **kw)
     return by_platform(quantize_lane_rows, quantize_block_rows, x, uniforms, residual, **kw)
@@ -189,7 +212,8 @@ def by_platform(lane_fn: Any, block_fn: Any, x: jax.Array, uniforms: Optional[ja
     return lax.platform_dependent(x, *ops, tpu=bind(lane_fn), default=bind(block_fn))
 
 
-def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str]):
+def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str],
+                       midrise: bool = False):
     """``quantize_block_rows`` computed on ``[n / 128, 128]`` lane rows (``B % 128 == 0``,
     ``bits`` dividing 32): the same words, scales and output, bit for bit."""
     nb, b = x.shape
@@ -201,8 +225,7 @@ def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output:
     yp = y if pre is None else fence(y * jnp.repeat(pre, m)[:, None], c)
     q = fence(yp * c, c)
     u = None if uniforms is None else uniforms.reshape(-1, 128)
-    r = jnp.floor(q + u) if u is not None else jnp.round(q)
-    codes = (jnp.clip(r, -levels, levels) + levels).astype(jnp.uint32)
+    codes = grid_codes(q, u, levels=levels, midrise=midrise).astype(jnp.uint32)
     if uniforms is not None and output is not None:
         codes = _codes_once(codes, bits)
     words = packing.pack_lane_rows(codes, bits, b)
@@ -210,7 +233,7 @@ def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output:
     if output is None:
         return rows, None
     step = jnp.repeat(step, m)[:, None]
-    decoded = fence((codes.astype(jnp.int32) - levels).astype(jnp.float32) * step, step)
+    decoded = fence(grid_levels(codes, levels=levels, midrise=midrise) * step, step)
     out = decoded if output == "decoded" else y - decoded
     return rows, out.reshape(nb, b)
 
@@ -236,7 +259,8 @@ def _codes_once(codes: jax.Array, bits: int) -> jax.Array:
     return lax.platform_dependent(codes, cpu=once, default=lambda c: c)
 
 
-def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str]):
+def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str],
+                        midrise: bool = False):
     """``quantize_reference`` on ``[nb, B]`` block rows."""
     y = feedback_sum(x, residual)
     scale, c, step = row_constants(y.reshape(x.shape), None, levels=levels)
@@ -244,9 +268,7 @@ def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output
     c = c[:, None]
     pre = row_prescale(scale, levels)
     q = fence((x if pre is None else fence(x * pre[:, None], c)) * c, c)
-    r = jnp.floor(q + uniforms) if uniforms is not None else jnp.round(q)
-    lv = jnp.clip(r, -levels, levels)
-    codes = (lv + levels).astype(jnp.uint32)
+    codes = grid_codes(q, uniforms, levels=levels, midrise=midrise).astype(jnp.uint32)
     if uniforms is not None and output is not None:
         codes = _codes_once(codes, bits)
     words = packing.pack_codes(codes, bits)
@@ -255,7 +277,7 @@ def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output
     if output is None:
         return rows, None
     step = step[:, None]
-    decoded = fence((codes.astype(jnp.int32) - levels).astype(jnp.float32) * step, step)
+    decoded = fence(grid_levels(codes, levels=levels, midrise=midrise) * step, step)
     return rows, decoded if output == "decoded" else x - decoded
 
 
