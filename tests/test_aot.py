@@ -373,8 +373,8 @@ def _tpu_program_traffic(target: str, fn, *shapes) -> float:
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 @pytest.mark.parametrize("target", ["v5e:2x4", "v5p:2x2x2"])
 def test_lane_row_kernels_make_one_pass_on_tpu(target):
-    """Compiled for a TPU, the lane-row encode kernels (int8 and fp8, stochastic from a
-    key, with a residual) read ``x`` and ``e`` once and write the wire rows and the new
+    """Compiled for a TPU, the lane-row encode kernels (int8 on both grids and fp8,
+    stochastic from a key, with a residual) read ``x`` and ``e`` once and write the wire rows and the new
     residual once (within 25%, the copy that flattens the wire rows included), at most
     60% of their references' traffic; the decode-and-sum kernel of 8 payloads moves no
     more than the reference. (A 16M-value bucket: a v5e keeps 4M values' intermediates
@@ -397,7 +397,8 @@ def test_lane_row_kernels_make_one_pass_on_tpu(target):
         return _tpu_program_traffic(target, f, ((8, nb, 65), u32))
 
     one_pass = 3 * 4 * n + nb * 128 * 4  # x, e read, residual written; rows padded to 128 lanes
-    for name, kw in (("int8", dict(bits=8)), ("fp8", dict(codec=kernels.fp8_blocks, fmt="e4m3"))):
+    for name, kw in (("int8", dict(bits=8)), ("int8_midrise", dict(bits=8, midrise=True)),
+                     ("fp8", dict(codec=kernels.fp8_blocks, fmt="e4m3"))):
         kernel, ref = encode("pallas", **kw), encode("reference", **kw)
         assert kernel <= 1.25 * one_pass and kernel <= 0.6 * ref, (name, kernel, one_pass, ref)
     assert decode("pallas") <= decode("reference"), (decode("pallas"), decode("reference"))
