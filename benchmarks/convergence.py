@@ -58,6 +58,8 @@ def methods(lr_momentum=0.1, lr_sgd=0.3):
         ("lossless bf16 (momentum)", "exact (momentum)", lambda: optax.chain(_cm(cj.lossless()), mom())),
         ("4-bit (momentum)", "exact (momentum)", lambda: optax.chain(_cm(cj.quantize(4)), mom())),
         ("2-bit (momentum)", "exact (momentum)", lambda: optax.chain(_cm(cj.quantize(2)), mom())),
+        ("2-bit midrise (momentum)", "exact (momentum)",
+         lambda: optax.chain(_cm(cj.quantize(2, midrise=True)), mom())),
         ("qsgd (momentum)", "exact (momentum)", lambda: optax.chain(_cm(cj.qsgd()), mom())),
         ("terngrad (momentum)", "exact (momentum)", lambda: optax.chain(_cm(cj.terngrad()), mom())),
         ("sign+EF (momentum)", "exact (momentum)", lambda: optax.chain(_cm(cj.sign()), mom())),
