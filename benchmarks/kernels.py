@@ -181,13 +181,22 @@ def check(args) -> dict:
                             x, bits=b, uniforms=u if s else None, residual=e if o == "residual" else None,
                             output=o, impl=impl),
                         (x, u, e))
+        for bits in (8, 4, 2):  # the midrise grid (every code used)
+            for stochastic in (True, False):
+                fns[f"quantize{bits}_midrise{'_sr' if stochastic else ''}_residual"] = (
+                    lambda impl, x, u, e, b=bits, s=stochastic: kernels.quantize_blocks(
+                        x, bits=b, uniforms=u if s else None, residual=e, output="residual", midrise=True,
+                        impl=impl),
+                    (x, u, e))
         key = jnp.asarray(rng.integers(0, 2 ** 32, 2, dtype=np.uint32))
         for bits in (8, 4):  # noise drawn from a key: in-kernel by the lane-row kernel
             for output in (None, "residual"):
-                fns[f"quantize{bits}_key_{output}"] = (
-                    lambda impl, x, e, k, b=bits, o=output: kernels.quantize_blocks(
-                        x, bits=b, noise_key=k, noise_start=n, residual=e if o else None, output=o, impl=impl),
-                    (x, e, key))
+                for midrise in (False, True):
+                    fns[f"quantize{bits}{'_midrise' if midrise else ''}_key_{output}"] = (
+                        lambda impl, x, e, k, b=bits, o=output, m=midrise: kernels.quantize_blocks(
+                            x, bits=b, noise_key=k, noise_start=n, residual=e if o else None, output=o,
+                            midrise=m, impl=impl),
+                        (x, e, key))
         for fmt in ("e4m3", "e5m2"):
             for noise in ("nearest", "key"):
                 fns[f"fp8_{fmt}_{noise}_residual"] = (
@@ -200,6 +209,7 @@ def check(args) -> dict:
                 x, residual=e if o == "residual" else None, output=o, impl=impl), (x, e))
         for codec, (bits, offset, step, divisor) in {
             "quantize8": (8, 127, 1, 127), "quantize4": (4, 7, 1, 7), "quantize2": (2, 1, 1, 1),
+            "quantize4_midrise": (4, 15, 2, 15), "quantize2_midrise": (2, 3, 2, 3),
             "qsgd16": (6, 16, 1, 16), "terngrad": (2, 1, 1, None), "sign": (1, 1, 2, None),
         }.items():
             w = -(-block // 32)
