@@ -140,7 +140,8 @@ def test_clipped_deltas_carry_the_clipped_excess_back(mesh):
     first send than the absmax scale (0.43 against 0.71 of its norm), what it cuts off
     comes back with the next deltas (the error shrinks every call), and both ends'
     references stay bit-equal. (Later sends of an unchanged value are no longer
-    Gaussian: there the absmax scale converges faster, 0.02 against 0.05 after six.)"""
+    Gaussian: there the absmax scale converges faster, 0.02 against 0.05 after six.)
+    The midrise grid clipped at 1.49 RMS misses less again (0.34), with the same bytes."""
     x = jax.random.normal(jax.random.PRNGKey(6), (N * 4, 64))
     ref = np.roll(np.asarray(x).reshape(N, 4, 64), 1, axis=0)
 
@@ -161,8 +162,10 @@ def test_clipped_deltas_carry_the_clipped_excess_back(mesh):
 
     clipped = errors(cj.quantize(2, stochastic=False, block_size=64, clip_rms=1.22))
     plain = errors(cj.quantize(2, stochastic=False, block_size=64))
+    midrise = errors(cj.quantize(2, stochastic=False, block_size=64, clip_rms=1.49, midrise=True))
     assert clipped[0] < 0.7 * plain[0], (clipped, plain)
     assert np.all(np.diff(clipped) < 0) and clipped[-1] < 0.1, clipped
+    assert midrise[0] < 0.85 * clipped[0] and np.all(np.diff(midrise) < 0), (midrise, clipped)
 
 
 def test_delta_slot_rate_makes_the_reference_a_running_mean(mesh):
