@@ -3,7 +3,7 @@ GPipe over microbatches with compressed stage sends, tensor-parallel attention a
 with compressed all-reduces, compressed data-parallel gradients.
 
     python examples/06_pipeline_lm.py                              # every axis compressed
-    python examples/06_pipeline_lm.py --fwd int2 --delta sample    # AQ-SGD activations
+    python examples/06_pipeline_lm.py --fwd int2m --delta sample   # AQ-SGD activations
     python examples/06_pipeline_lm.py --bwd powersgd4 --lazy       # Optimus-CC backward
     python examples/06_pipeline_lm.py --fwd none --bwd none --tp none --dp none   # exact
 
@@ -13,8 +13,9 @@ gradients coming back); inside a stage, each of the 2 model devices holds half o
 heads and of the MLP (``cc.tp_copy`` / ``cc.tp_reduce`` over ``"model"`` with ``--tp``);
 ``cj.compressed_mean(--dp)`` then averages each device's gradient shard over
 ``"data"``. Codec names: none (exact ``jax.lax``), identity, bf16, fp8, int8, int4,
-int2, int4s/int2s (stochastic rounding), h4/h2 (Hadamard + int4/int2), powersgd2/4/8
-(``--bwd``: low rank per send), sign, top_k.
+int2, int4s/int2s (stochastic rounding), int2m (2 bits on the midrise grid clipped at 1.49
+RMS: for deltas), int2ms (midrise, stochastic), h4/h2 (Hadamard + int4/int2),
+powersgd2/4/8 (``--bwd``: low rank per send), sign, top_k.
 
 The training set is a fixed set of ``--windows`` windows of the standard library's
 source (sample ids for ``--delta sample``), visited in epochs; the held-out loss is
@@ -33,8 +34,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _cli  # noqa: E402  (no JAX import: --devices must be applied first)
 
-CODECS = ("none", "identity", "bf16", "fp8", "int8", "int4", "int2", "int4s", "int2s", "h4", "h2",
-          "powersgd2", "powersgd4", "powersgd8", "sign", "top_k")
+CODECS = ("none", "identity", "bf16", "fp8", "int8", "int4", "int2", "int4s", "int2s", "int2m", "int2ms",
+          "h4", "h2", "powersgd2", "powersgd4", "powersgd8", "sign", "top_k")
 
 
 def parse_args(argv=None):

@@ -45,6 +45,8 @@ def codec(name: str) -> Optional[cj.Compressor]:
     table = {"none": None, "identity": cj.identity(), "bf16": cj.cast(jnp.bfloat16),
              "fp8": cj.fp8("e4m3"), "int8": q(8), "int4": q(4), "int2": q(2), "int4s": q(4, True),
              "int2s": q(2, True), "h4": cj.hadamard(q(4)), "h2": cj.hadamard(q(2)),
+             "int2m": cj.quantize(2, stochastic=False, clip_rms=1.49, midrise=True),
+             "int2ms": cj.quantize(2, stochastic=True, midrise=True),
              "powersgd2": cj.powersgd(rank=2), "powersgd4": cj.powersgd(rank=4),
              "powersgd8": cj.powersgd(rank=8), "sign": cj.sign(), "top_k": cj.top_k(0.01)}
     return table[name]
