@@ -4,6 +4,7 @@
     python -m commjax.bench --params 5e6 --devices 8            # 8 simulated CPU devices
     python -m commjax.bench --params 200e6 --distributed        # one process per host
     python -m commjax.bench --target v5e:2x4 --params 1e9       # deviceless: no accelerator
+    python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 16 --residual-dtype bfloat16
 
 With ``--target`` nothing runs: each step is compiled for that TPU topology or GPU target
 from this machine ([`commjax.aot`][]; ``pip install 'commjax[aot]'``) and the table gives
@@ -102,12 +103,28 @@ def _time(dp: Any, params: dict, batch: jax.Array, steps: int) -> tuple[float, f
     return float(np.median(times)), report.total_ring_bytes
 
 
+def _mean(codec: Any, options: dict) -> optax.GradientTransformation:
+    """The benchmarked step's transformation: ``compressed_mean(codec)`` then SGD."""
+    return optax.chain(compressed_mean(codec, "data", **options), optax.sgd(1e-3))
+
+
+def _options(bucket_bytes: Optional[int], residual_dtype: Any) -> dict:
+    """``compressed_mean`` options of the compressed rows (the exact row keeps one bucket
+    and no residuals: it is the baseline)."""
+    out: dict = {} if bucket_bytes is None else {"bucket_bytes": int(bucket_bytes)}
+    if residual_dtype is not None:
+        out["residual_dtype"] = jnp.dtype(residual_dtype)
+    return out
+
+
 def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
         layers: int = 4, steps: int = 10, batch_per_replica: int = 8,
-        mesh: Optional[jax.sharding.Mesh] = None) -> list[Row]:
+        mesh: Optional[jax.sharding.Mesh] = None, bucket_bytes: Optional[int] = None,
+        residual_dtype: Any = None) -> list[Row]:
     """Time the floor (no exchange), the exact mean and each compressor; see the module
     docstring for the columns. ``mesh``: default, one ``"data"`` axis over every device
-    (every process's, under ``jax.distributed``)."""
+    (every process's, under ``jax.distributed``). ``bucket_bytes``, ``residual_dtype``:
+    [`commjax.compressed_mean`][]'s options for the compressors' rows."""
     if mesh is None:
         mesh = _compat.make_mesh((jax.device_count(),), ("data",))
     params = _model(num_params, layers)
@@ -120,10 +137,10 @@ def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4
     floor = data_parallel(_loss, optax.sgd(1e-3), mesh, per_replica_params=True)
     t0, _ = _time(floor, params, batch, steps)
     rows = [Row("no exchange (floor)", 0.0, t0)]
-    runs = [("exact fp32 mean", identity())] + [(c, COMPRESSORS[c]()) for c in compressors]
-    for label, codec in runs:
-        tx = optax.chain(compressed_mean(codec, "data"), optax.sgd(1e-3))
-        t, b = _time(data_parallel(_loss, tx, mesh), params, batch, steps)
+    options = _options(bucket_bytes, residual_dtype)
+    runs = [("exact fp32 mean", identity(), {})] + [(c, COMPRESSORS[c](), options) for c in compressors]
+    for label, codec, opts in runs:
+        t, b = _time(data_parallel(_loss, _mean(codec, opts), mesh), params, batch, steps)
         rows.append(Row(label, b, t))
     exact = rows[1]
     bw = exact.bytes / (exact.step_s - t0) if exact.step_s > t0 else float("inf")
@@ -139,15 +156,18 @@ def _shapes(num_params: float, layers: int) -> dict:
 
 
 def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
-               layers: int = 4) -> list[dict]:
+               layers: int = 4, bucket_bytes: Optional[int] = None, residual_dtype: Any = None) -> list[dict]:
     """Compile the exact and each compressor's update step for ``target`` (deviceless)
-    and report them ([`commjax.aot.analyze`][]), each with ratios to the exact step."""
+    and report them ([`commjax.aot.analyze`][]), each with ratios to the exact step (one
+    bucket, no residuals). ``bucket_bytes``, ``residual_dtype``: as for
+    [`run`][commjax.bench.run]: on a TPU, buckets of a few MB keep the codecs'
+    intermediates on chip and bf16 residuals halve their state (``docs/accelerators.md``)."""
     mesh = aot.target_mesh(target)
     params = _shapes(num_params, layers)
     rows = []
-    for label, codec in [("exact", identity())] + [(c, COMPRESSORS[c]()) for c in compressors]:
-        tx = optax.chain(compressed_mean(codec, "data"), optax.sgd(1e-3))
-        rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
+    options = _options(bucket_bytes, residual_dtype)
+    for label, codec, opts in [("exact", identity(), {})] + [(c, COMPRESSORS[c](), options) for c in compressors]:
+        rep = aot.analyze(aot.compile_update(_mean(codec, opts), params, mesh), target)
         rep["method"] = label
         rows.append(rep)
     for r in rows:
@@ -196,7 +216,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, choices=sorted(aot.TARGETS),
                    help="compile for this accelerator instead of running (deviceless; needs "
                         "the aot extra)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="compressed means in buckets of this many MB (compressed_mean(bucket_bytes=)); "
+                        "default one bucket")
+    p.add_argument("--residual-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="error-feedback residuals' dtype (compressed_mean(residual_dtype=)); default float32")
     return p
+
+
+def _bucket_bytes(args: argparse.Namespace) -> Optional[int]:
+    return None if args.bucket_mb is None else max(1, int(args.bucket_mb * 2 ** 20))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -214,7 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.distributed:
         jax.distributed.initialize()
     rows = run(args.params, compressors=args.compressors, layers=args.layers,
-               steps=args.steps, batch_per_replica=args.batch)
+               steps=args.steps, batch_per_replica=args.batch, bucket_bytes=_bucket_bytes(args),
+               residual_dtype=args.residual_dtype)
     if jax.process_index() == 0:
         print(f"{jax.device_count()} {jax.devices()[0].platform} devices, "
               f"{jax.process_count()} process(es), ~{args.params:.3g} parameters")
@@ -226,7 +256,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main_target(args: argparse.Namespace) -> int:
-    rows = run_target(args.target, args.params, compressors=args.compressors, layers=args.layers)
+    rows = run_target(args.target, args.params, compressors=args.compressors, layers=args.layers,
+                      bucket_bytes=_bucket_bytes(args), residual_dtype=args.residual_dtype)
     print(f"{args.target} (compiled here, deviceless), ~{args.params:.3g} parameters, per device and step")
     print(target_table(rows))
     if args.json:

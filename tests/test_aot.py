@@ -426,3 +426,22 @@ def test_zero_weight_decode_stays_in_lane_rows_on_tpu():
     assert ref["traffic"] <= 1.2 * exact["traffic"], (ref["traffic"], exact["traffic"])
     assert pallas["traffic"] <= 1.02 * exact["traffic"], (pallas["traffic"], exact["traffic"])
     assert pallas["temp"] <= exact["temp"] + 0.5 * grad_bytes, (pallas["temp"], exact["temp"])
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+def test_bench_target_buckets_and_bf16_residuals():
+    """``python -m commjax.bench --target ... --bucket-mb --residual-dtype``: the compressed
+    rows run in buckets (more collectives than one bucket) with their residuals in bf16
+    (half a gradient less in arguments), the exact row stays the one-bucket baseline."""
+    from commjax import bench
+    n = 2 * 1024 ** 2  # two 1024 x 1024 matrices: whole TPU tiles, no padding
+    one = bench.run_target("v5e:2x4", n, compressors=["int8"], layers=2)
+    split = bench.run_target("v5e:2x4", n, compressors=["int8"], layers=2, bucket_bytes=2 ** 20,
+                             residual_dtype="bfloat16")
+    grad = 4 * n
+    assert [r["method"] for r in split] == ["exact", "int8"]
+    assert split[0]["traffic"] == one[0]["traffic"] and split[0]["arguments"] == one[0]["arguments"]
+    saved = one[1]["arguments"] - split[1]["arguments"]
+    assert abs(saved - grad / 2) <= 0.01 * grad, (saved, grad)
+    assert len(split[1]["collectives"]) > len(one[1]["collectives"]) + 4
+    assert "x exact" in bench.target_table(split)

@@ -141,6 +141,12 @@ def test_bench_reports_the_plan_bytes():
         assert row.bytes == pytest.approx(cj.communication_plan(codec, params, 2).bytes_per_step)
         assert row.step_s > 0 and row.bound > 0
     assert "reached" in bench.table(rows)
+    # In buckets of one leaf each (bf16 residuals), the int8 row sends each leaf's own plan.
+    split = bench.run(2e4, compressors=["int8"], layers=2, steps=1, mesh=mesh, bucket_bytes=40_000,
+                      residual_dtype="bfloat16")
+    per_leaf = sum(cj.communication_plan(cj.quantize(8), {k: v}, 2).bytes_per_step for k, v in params.items())
+    assert split[2].bytes == pytest.approx(per_leaf) and split[2].bytes != rows[2].bytes
+    assert split[1].bytes == rows[1].bytes
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
