@@ -208,8 +208,9 @@ class Quantize(_ScaledCodec):
 
     def encode_blocks(self, blocks, key, start=0):
         # scale = max |x|; l = clip(R(x * (L / scale)), -L, L); row = [pack(l + L) | scale]
-        # (midrise: the codes of kernels.reference.grid_codes), fused in one kernel pass (commjax.kernels.quantize_blocks, whose reference is
-        # exactly these operations). Clipping, if asked, is a pass before it.
+        # (midrise: the codes of kernels.reference.grid_codes), fused in one kernel pass
+        # (commjax.kernels.quantize_blocks, whose reference is exactly these operations).
+        # Clipping, if asked, is a pass before it.
         if self.clip_rms is not None:
             blocks = _clip_to_rms(blocks, self.clip_rms)
         return _kernels.quantize_blocks(blocks, bits=self.bits, levels=self.levels, output=None,
