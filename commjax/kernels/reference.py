@@ -151,7 +151,7 @@ def absmax_constants(scale: jax.Array, *, levels: float):
 
 
 def grid_codes(q: jax.Array, u: Optional[jax.Array], *, levels: int, midrise: bool) -> jax.Array:
-    """Unsigned int32 codes of ``q = y * (K / s)`` (in ``[-K, K]``), ``u`` the noise or
+    """Non-negative int32 codes of ``q = y * (K / s)`` (in ``[-K, K]``), ``u`` the noise or
     ``None`` for nearest rounding (half to even).
 
     Midtread (``K = L``, a zero level): ``clip(R(q), -L, L) + L``, codes ``0..2L``.
