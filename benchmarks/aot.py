@@ -26,6 +26,7 @@ Writes ``benchmarks/results/aot_<target>_<model>.json`` (one file per configurat
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -212,10 +213,16 @@ def measure(target: str, model: str, names: list, dump: Any = None, table: Any =
             if dump:
                 Path(dump).mkdir(parents=True, exist_ok=True)
                 Path(dump, f"{target.replace(':', '_')}_{model}_{name}.hlo").write_text(compiled.as_text())
+            del compiled
         except Exception as e:  # noqa: BLE001 - a method that does not compile is a result
             rows.append({"method": name, "family": family, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(f"  {name}: does not compile: {rows[-1]['error'][:160]}", flush=True)
             continue
+        finally:
+            # One program at a time: a 1.3B tree's compiled step and the traces behind
+            # it hold several GB, and the next method's compile needs them.
+            gc.collect()
+            jax.clear_caches()
         rep.update(method=name, family=family, compile_s=time.perf_counter() - t0, grad_bytes=grad_bytes)
         rows.append(rep)
         print(f"  {name}: traffic {rep['traffic'] / 1e6:.1f} MB, temp {rep['temp'] / 1e6:.1f} MB, "
