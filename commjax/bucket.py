@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows", "cut", "ravel_tiles", "unravel_tiles",
+__all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows", "cut", "tiled", "ravel_tiles", "unravel_tiles",
            "ravel_leaf", "unravel_leaf"]
 
 #: Widest row used to join parts; wider rows gain nothing measurable on CPU.
@@ -65,7 +65,7 @@ def cut(v: jax.Array, segments: Sequence[Any]) -> list[jax.Array]:
 # ------------------------------------------------------------------ a leaf as a flat part
 
 
-def _tiled(shape: Sequence[int]) -> bool:
+def tiled(shape: Sequence[int]) -> bool:
     """Whether a TPU lays the leaf out in whole ``(8, 128)`` tiles of its two minor axes."""
     return len(shape) >= 2 and shape[-2] % 8 == 0 and shape[-1] % 128 == 0
 
@@ -75,7 +75,7 @@ def ravel_tiles(a: jax.Array) -> jax.Array:
     row-major inside each): ``a[..., 8 i + s, 128 j + l]`` at position
     ``((t * R/8 + i) * C/128 + j) * 1024 + 128 s + l``; row-major where the two minor axes
     are not whole tiles."""
-    if not _tiled(a.shape):
+    if not tiled(a.shape):
         return a.reshape(-1)
     r, c = a.shape[-2:]
     return a.reshape(-1, r // 8, 8, c // 128, 128).transpose(0, 1, 3, 2, 4).reshape(-1)
@@ -84,7 +84,7 @@ def ravel_tiles(a: jax.Array) -> jax.Array:
 def unravel_tiles(v: jax.Array, shape: Sequence[int]) -> jax.Array:
     """The inverse of ``ravel_tiles``."""
     shape = tuple(shape)
-    if not _tiled(shape):
+    if not tiled(shape):
         return v.reshape(shape)
     r, c = shape[-2:]
     return v.reshape(-1, r // 8, c // 128, 8, 128).transpose(0, 1, 3, 2, 4).reshape(shape)

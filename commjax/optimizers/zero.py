@@ -20,7 +20,9 @@ plain 4-bit weights drift; ``benchmarks/sharded.py`` measures it).
 
 Layout: each floating leaf of ``n`` elements is flattened and padded with zeros to
 ``N * s`` ([`commjax.fsdp.shard_size`][]: ``s`` a multiple of the codecs' block ``A``);
-replica ``r`` owns elements ``[r s, (r + 1) s)``. Leaves smaller than
+replica ``r`` owns elements ``[r s, (r + 1) s)``. On TPU a compressed leaf whose shards
+are whole groups of 8 rows of ``(8, 128)`` tiles sends its weight shard in the tiles'
+order, so that the gathered leaf is a bitcast there, not a relayout (``_send_order``). Leaves smaller than
 ``max(min_compress_size, N * A)`` (biases, norms, scalars) are padded to a multiple of
 ``N`` only and travel exactly (fp32), joined in one collective per direction.
 
@@ -61,7 +63,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from commjax import _compat, collectives as cc, guards
+from commjax import _compat, bucket, collectives as cc, guards
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec
@@ -366,7 +368,8 @@ def _materialized_on_tpu(tree: Any) -> Any:
     """``tree`` unchanged, held in the layout it was decoded in on a TPU.
 
     A TPU keeps a flat vector as ``[n / 128, 128]`` lane rows and a weight ``[R, C]`` in
-    ``(8, 128)`` tiles of its rows, so cutting a decoded vector into leaves is a relayout.
+    ``(8, 128)`` tiles of its rows, so cutting a decoded row-major vector into leaves is a
+    relayout (a leaf sent in tile order, ``_send_order``, is a bitcast instead).
     Without the barrier XLA moves the decode's multiply past that relayout and
     materializes the per-block steps broadcast to the leaf's shape (two extra arrays of
     the leaf's size); with it the decoded vector is written once and relaid once. v5e,
@@ -376,11 +379,46 @@ def _materialized_on_tpu(tree: Any) -> Any:
     return lax.platform_dependent(tree, tpu=lax.optimization_barrier, default=lambda t: t)
 
 
+def _tile_sharded(l: _Leaf, n: int) -> bool:
+    """Whether the ``n`` shards of leaf ``l`` are whole ``(8, 128)`` tile rows of it: a
+    leaf ``[..., R, C]`` a TPU stores in tiles (``R % 8 == 0``, ``C % 128 == 0``), split
+    without padding into shards of whole groups of 8 rows. Then the leaf's tile order
+    (``bucket.ravel_tiles``) is its shards' own tile orders one after the other."""
+    c = l.shape[-1] if l.shape else 0
+    return bucket.tiled(l.shape) and n * l.shard == l.size and l.shard % (8 * c) == 0
+
+
+def _by_layout(x: Any, tiled: Any, flat: Any) -> Any:
+    """``tiled(x)`` when lowered for TPU, ``flat(x)`` elsewhere (one seam, for tests)."""
+    return lax.platform_dependent(x, tpu=tiled, default=flat)
+
+
+def _send_order(v: jax.Array, l: _Leaf, n: int) -> jax.Array:
+    """A weight shard as the codec sends it: on TPU, for a tile-sharded leaf
+    (``_tile_sharded``), in the tile order of its rows, so that the gathered vector is
+    the leaf's tile order and becomes the leaf with a bitcast (``_gathered_leaf``);
+    row-major otherwise. Which elements share a codec block then depends on the backend,
+    as in [`commjax.compressed_mean`][]; the shard itself (the master) stays row-major."""
+    if not _tile_sharded(l, n):
+        return v
+    rows = (l.shard // l.shape[-1], l.shape[-1])
+    return _by_layout(v, lambda u: bucket.ravel_tiles(u.reshape(rows)), lambda u: u)
+
+
+def _gathered_leaf(f: jax.Array, l: _Leaf, n: int, coded: bool) -> jax.Array:
+    """The gathered (padded, flat) vector ``f`` of leaf ``l`` in the leaf's shape; the
+    inverse of ``_send_order`` for a coded leaf."""
+    if not (coded and _tile_sharded(l, n)):
+        return f[:l.size].reshape(l.shape)
+    return _by_layout(f, lambda u: bucket.unravel_tiles(u, l.shape), lambda u: u.reshape(l.shape))
+
+
 def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params: list,
                     flag: jax.Array, key):
     """Stage 3: every replica's new weights (or their change), decoded identically on
     every replica; returns ``(updates, bad)`` with ``bad`` typed replicated."""
     send = [m - p if cfg.weight_delta else m for m, p in zip(new_master, p_shards)]
+    n = math.prod(_compat.axis_size(a) for a in cfg.axes)
     coded = [i for i, l in enumerate(plan) if l.route == COMPRESS and cfg.weight_codec is not None]
     exact = [i for i, l in enumerate(plan) if l.route != PASS and i not in coded]
     vecs = [send[i] for i in exact] + ([flag] if cfg.check_finite else [])
@@ -391,7 +429,7 @@ def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params
         full[i] = g
     bad = jnp.any(got[-1] != 0) if cfg.check_finite else None
     if coded:
-        parts = [send[i] for i in coded]
+        parts = [_send_order(send[i], plan[i], n) for i in coded]
         if got:
             got, parts = lax.optimization_barrier((got, parts))
         out = cc.all_gather(parts, cfg.axis_name, cfg.weight_codec, key=key,
@@ -405,7 +443,7 @@ def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params
         if l.route == PASS:
             updates.append(jnp.zeros_like(p))
             continue
-        w = f[:l.size].reshape(l.shape)
+        w = _gathered_leaf(f, l, n, i in coded)
         u = w if cfg.weight_delta else w - p.astype(jnp.float32)
         if bad is not None and i not in coded:
             u = jnp.where(bad, jnp.nan, u)
