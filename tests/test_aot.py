@@ -407,10 +407,13 @@ def test_lane_row_kernels_make_one_pass_on_tpu(target):
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 def test_zero_weight_decode_stays_in_lane_rows_on_tpu():
     """int8 ZeRO on a v5e (the 21M MLP): the gathered weights are decoded (and poisoned
-    when a replica saw a non-finite value) in the flat vector's lane rows and relaid once
-    into the leaves. With the decode moved past the relayout, the per-block steps were
-    broadcast to each leaf's shape: 1.50x exact ZeRO's HBM traffic. With the Pallas
-    kernels the step moves no more than exact ZeRO, in at most half a gradient more scratch."""
+    when a replica saw a non-finite value) in the flat vector's lane rows, which for
+    these leaves (shards of whole tile rows, sent in tile order both ways) are the
+    leaves' own layout. With the decode moved past a relayout into the leaves, the
+    per-block steps were broadcast to each leaf's shape: 1.50x exact ZeRO's HBM traffic;
+    relaid once, 1.09x and 1.5 gradients more scratch. Now at most half a gradient more
+    scratch with either implementation, and with the Pallas kernels less traffic than
+    exact ZeRO."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
     params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
@@ -423,9 +426,10 @@ def test_zero_weight_decode_stays_in_lane_rows_on_tpu():
 
     exact, ref, pallas = report(None), report("reference"), report("pallas")
     grad_bytes = 4 * (4096 * 4096 + 4096 * 1024 + 4096)
-    assert ref["traffic"] <= 1.2 * exact["traffic"], (ref["traffic"], exact["traffic"])
-    assert pallas["traffic"] <= 1.02 * exact["traffic"], (pallas["traffic"], exact["traffic"])
-    assert pallas["temp"] <= exact["temp"] + 0.5 * grad_bytes, (pallas["temp"], exact["temp"])
+    assert ref["traffic"] <= 1.15 * exact["traffic"], (ref["traffic"], exact["traffic"])
+    assert pallas["traffic"] <= 0.85 * exact["traffic"], (pallas["traffic"], exact["traffic"])
+    for r in (ref, pallas):
+        assert r["temp"] <= exact["temp"] + 0.5 * grad_bytes, (r["temp"], exact["temp"])
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")

@@ -320,7 +320,10 @@ def _scatter_grads(cfg: _Config, plan, grads: list, residual: tuple, key, n: int
     flag = got[-1] if cfg.check_finite else jnp.zeros((1,), jnp.float32)
     new_residual = residual
     if coded:
-        parts = [_padded(grads[i], n * plan[i].shard) for i in coded]
+        # Without residuals (a state) a TPU sends tile-sharded leaves in their tiles'
+        # order, a bitcast there: the row-major vector was a relayout of every gradient.
+        tiles = not residual
+        parts = [_grad_part(grads[i], plan[i], n, tiles) for i in coded]
         if got:
             # The exact bucket's collective first, on every device: independent collectives
             # may otherwise start in different orders and deadlock per-collective runtimes.
@@ -333,8 +336,27 @@ def _scatter_grads(cfg: _Config, plan, grads: list, residual: tuple, key, n: int
         else:
             out = cc.reduce_scatter(parts, cfg.axis_name, cfg.grad_codec, **rs)
         for i, g in zip(coded, out):
-            shards[i] = g
+            shards[i] = _grad_shard(g, plan[i], n, tiles)
     return shards, flag, new_residual
+
+
+def _grad_part(g: jax.Array, l: _Leaf, n: int, tiles: bool) -> jax.Array:
+    """A gradient leaf as the reduce-scatter sends it: the padded row-major vector, or
+    on TPU, for a tile-sharded leaf (``tiles``), the leaf in its tiles' order, whose
+    ``n`` chunks are the shards' tile orders."""
+    if not (tiles and _tile_sharded(l, n)):
+        return _padded(g, n * l.shard)
+    return _by_layout(g, lambda u: bucket.ravel_tiles(u.astype(jnp.float32)),
+                      lambda u: _padded(u, n * l.shard))
+
+
+def _grad_shard(chunk: jax.Array, l: _Leaf, n: int, tiles: bool) -> jax.Array:
+    """The inverse of ``_grad_part`` on this replica's chunk: its shard row-major, as the
+    master shard is kept (on TPU a relayout of the shard alone, ``1 / n`` of the leaf)."""
+    if not (tiles and _tile_sharded(l, n)):
+        return chunk
+    rows = (l.shard // l.shape[-1], l.shape[-1])
+    return _by_layout(chunk, lambda u: bucket.unravel_tiles(u, rows).reshape(-1), lambda u: u)
 
 
 def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, state: ZeroState,
@@ -386,6 +408,19 @@ def _tile_sharded(l: _Leaf, n: int) -> bool:
     (``bucket.ravel_tiles``) is its shards' own tile orders one after the other."""
     c = l.shape[-1] if l.shape else 0
     return bucket.tiled(l.shape) and n * l.shard == l.size and l.shard % (8 * c) == 0
+
+
+def _param_shard(p: jax.Array, l: _Leaf, n: int, idx: jax.Array) -> jax.Array:
+    """This replica's fp32 shard of parameter leaf ``p`` (row-major, padded). For a
+    tile-sharded leaf cut from its rows: the same values, but a TPU reads its own rows in
+    place instead of relaying the whole leaf to a row-major vector first."""
+    if l.route == PASS:
+        return jnp.zeros((0,), jnp.float32)
+    if not _tile_sharded(l, n):
+        return lax.dynamic_slice_in_dim(_padded(p, n * l.shard), idx * l.shard, l.shard)
+    rows = l.shard // l.shape[-1]
+    mine = lax.dynamic_slice_in_dim(p.reshape(-1, l.shape[-1]), idx * rows, rows)
+    return mine.reshape(-1).astype(jnp.float32)
 
 
 def _by_layout(x: Any, tiled: Any, flat: Any) -> Any:
@@ -478,9 +513,7 @@ def _update(cfg: _Config, inner, grads, state: ZeroState, params):
     g_shards, flag, residual = _scatter_grads(cfg, plan, g_leaves, state.residual,
                                               jax.random.fold_in(step_key, 0), n, ok)
     bad = flag[0] != 0
-    p_shards = [jnp.zeros((0,), jnp.float32) if l.route == PASS else
-                lax.dynamic_slice_in_dim(_padded(p, n * l.shard), idx * l.shard, l.shard)
-                for p, l in zip(p_leaves, plan)]
+    p_shards = [_param_shard(p, l, n, idx) for p, l in zip(p_leaves, plan)]
     new_master, new_inner = _inner_step(cfg, inner, treedef, g_shards, p_shards, state, first, bad)
     updates, _ = _gather_weights(cfg, plan, new_master, p_shards, p_leaves, flag,
                                  jax.random.fold_in(step_key, 1))
