@@ -26,7 +26,9 @@ Writes ``benchmarks/results/aot_<target>_<model>.json`` (one file per configurat
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
+import multiprocessing
 import os
 import sys
 import time
@@ -231,6 +233,30 @@ def measure(target: str, model: str, names: list, dump: Any = None, table: Any =
     return rows
 
 
+def _measure_one(target: str, model: str, name: str, dump: Any, bucket: Any, residual_dtype: str) -> dict:
+    """One row of ``measure``, in a process of its own (``--isolate``)."""
+    return measure(target, model, [name], dump, methods(bucket, jnp.dtype(residual_dtype)))[0]
+
+
+def measure_isolated(target: str, model: str, names: list, dump: Any, bucket: Any,
+                     residual_dtype: str) -> list:
+    """``measure``, each method compiled in a fresh process: what one compile of a 1e9-
+    parameter tree leaves behind is freed with the process, so the next fits in memory."""
+    rows = []
+    for name in names:
+        with concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            family = methods(bucket, jnp.dtype(residual_dtype))[name][1]
+            try:
+                rows.append(pool.submit(_measure_one, target, model, name, dump, bucket, residual_dtype).result())
+            except concurrent.futures.process.BrokenProcessPool:
+                rows.append({"method": name, "family": family,
+                             "error": "the compiling process died (out of memory?)"})
+                print(f"  {name}: {rows[-1]['error']}", flush=True)
+    _ratios(rows)
+    return rows
+
+
 def _ratios(rows: list) -> None:
     base = {"mean": "exact", "zero": "zero_exact"}
     by = {r["method"]: r for r in rows if "error" not in r}
@@ -277,6 +303,9 @@ def main(argv: Any = None) -> int:
                     help="compressed_mean(residual_dtype=...) of every compressed mean; bfloat16 "
                          "is written to aot_<target>_<model>[_b<MB>m]_bf16res.json")
     ap.add_argument("--dump", default=None, help="also write each compiled HLO into this folder")
+    ap.add_argument("--isolate", action="store_true",
+                    help="compile each method in a process of its own (1e9-parameter trees: one "
+                         "compile's leftovers would not leave room for the next in 24 GB)")
     ap.add_argument("--train", action="store_true",
                     help="the train step of a model (--model gpt2s or mlp8x2048): overlap of the "
                          "exchange with the backward pass")
@@ -288,7 +317,10 @@ def main(argv: Any = None) -> int:
     names = list(table_) if args.methods is None else args.methods.split(",")
     if "exact" not in names and any(table_[n][1] == "mean" for n in names):
         names = ["exact"] + names
-    rows = measure(args.target, args.model, names, args.dump, table_)
+    if args.isolate:
+        rows = measure_isolated(args.target, args.model, names, args.dump, bucket, args.residual_dtype)
+    else:
+        rows = measure(args.target, args.model, names, args.dump, table_)
     print(table(rows))
     suffix = ("" if bucket is None else f"_b{args.bucket_mb:g}m") + (
         "_bf16res" if args.residual_dtype == "bfloat16" else "")
