@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows", "cut", "tiled", "ravel_tiles", "unravel_tiles",
-           "ravel_leaf", "unravel_leaf"]
+__all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows", "cut", "tiled", "tile_sharded", "ravel_tiles",
+           "unravel_tiles", "ravel_leaf", "unravel_leaf", "ravel_shard", "unravel_shard"]
 
 #: Widest row used to join parts; wider rows gain nothing measurable on CPU.
 MAX_ROW_WIDTH = 1024
@@ -70,6 +70,17 @@ def tiled(shape: Sequence[int]) -> bool:
     return len(shape) >= 2 and shape[-2] % 8 == 0 and shape[-1] % 128 == 0
 
 
+def tile_sharded(shape: Sequence[int], shard: int, num_shards: int) -> bool:
+    """Whether cutting a leaf of ``shape`` row-major into ``num_shards`` shards of ``shard``
+    elements cuts it into whole groups of 8 rows of its ``(8, 128)`` tiles, without
+    padding. Then the leaf's tile order (``ravel_tiles``) is its shards' tile orders one
+    after the other (``ravel_shard``): a sharded collective can carry the leaf in the order
+    a TPU stores it."""
+    shape = tuple(shape)
+    return (tiled(shape) and num_shards * shard == math.prod(shape)
+            and shard % (8 * shape[-1]) == 0)
+
+
 def ravel_tiles(a: jax.Array) -> jax.Array:
     """``a`` flat in the order of its ``(8, 128)`` tiles (row-major over the tiles, then
     row-major inside each): ``a[..., 8 i + s, 128 j + l]`` at position
@@ -104,11 +115,29 @@ def ravel_leaf(a: jax.Array) -> jax.Array:
     the backend; each replica of a run encodes and decodes in the same order, and the
     worker residuals are kept in the leaves' shapes, which mean the same on every backend.
     """
-    return lax.platform_dependent(a, tpu=ravel_tiles, default=lambda v: v.reshape(-1))
+    return _by_layout(a, ravel_tiles, lambda v: v.reshape(-1))
 
 
 def unravel_leaf(v: jax.Array, shape: Sequence[int]) -> jax.Array:
     """The inverse of ``ravel_leaf``: ``v`` in ``shape``."""
     shape = tuple(shape)
-    return lax.platform_dependent(v, tpu=lambda u: unravel_tiles(u, shape),
-                                  default=lambda u: u.reshape(shape))
+    return _by_layout(v, lambda u: unravel_tiles(u, shape), lambda u: u.reshape(shape))
+
+
+def ravel_shard(v: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """A row-major shard ``v`` of a leaf of ``shape`` (``tile_sharded``) in the order
+    ``ravel_leaf`` gives the leaf: on TPU the tile order of its rows (a relayout of the
+    shard alone), row-major elsewhere."""
+    return ravel_leaf(v.reshape(-1, tuple(shape)[-1]))
+
+
+def unravel_shard(v: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """The inverse of ``ravel_shard``: the shard row-major."""
+    c = tuple(shape)[-1]
+    return unravel_leaf(v, (v.shape[0] // c, c)).reshape(-1)
+
+
+def _by_layout(x: Any, tiled_fn: Any, flat_fn: Any) -> Any:
+    """``tiled_fn(x)`` when lowered for TPU, ``flat_fn(x)`` elsewhere: the one switch
+    between the two memory orders (tests force the TPU's on CPU)."""
+    return lax.platform_dependent(x, tpu=tiled_fn, default=flat_fn)

@@ -8,7 +8,6 @@ targets; non-finite gradients, bad inputs, two levels, orbax resume.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import jax
@@ -19,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
-from commjax import _compat
+from commjax import _compat, bucket
 from commjax.collectives._common import SHARD_TILE
 from commjax.testing import Task, noniid_classification, same_bits, train
 
@@ -146,9 +145,8 @@ def test_state_is_a_shard_plus_the_master(task, mesh):
 def _tile_order_run(weight_codec, mesh, monkeypatch, tiled: bool):
     """Two steps of zero on leaves whose shards are whole (8, 128) tile rows (``w``,
     ``t``) and one whose are not (``v``), the TPU weight order forced on or off."""
-    zmod = importlib.import_module("commjax.optimizers.zero")  # the module, not the factory
-    if tiled:  # what a TPU runs: weights sent in their tiles' order, the leaf a bitcast
-        monkeypatch.setattr(zmod, "_by_layout", lambda x, tiled_fn, flat_fn: tiled_fn(x))
+    if tiled:  # what a TPU runs: leaves sent in their tiles' order, each a bitcast there
+        monkeypatch.setattr(bucket, "_by_layout", lambda x, tiled_fn, flat_fn: tiled_fn(x))
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(64, 256)), jnp.float32),
               "t": jnp.asarray(rng.normal(size=(2, 32, 128)), jnp.float32),

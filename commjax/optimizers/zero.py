@@ -20,11 +20,14 @@ plain 4-bit weights drift; ``benchmarks/sharded.py`` measures it).
 
 Layout: each floating leaf of ``n`` elements is flattened and padded with zeros to
 ``N * s`` ([`commjax.fsdp.shard_size`][]: ``s`` a multiple of the codecs' block ``A``);
-replica ``r`` owns elements ``[r s, (r + 1) s)``. On TPU a compressed leaf whose shards
-are whole groups of 8 rows of ``(8, 128)`` tiles sends its weight shard in the tiles'
-order, so that the gathered leaf is a bitcast there, not a relayout (``_send_order``). Leaves smaller than
+replica ``r`` owns elements ``[r s, (r + 1) s)``. Leaves smaller than
 ``max(min_compress_size, N * A)`` (biases, norms, scalars) are padded to a multiple of
-``N`` only and travel exactly (fp32), joined in one collective per direction.
+``N`` only and travel exactly (fp32), joined in one collective per direction. On TPU a
+compressed leaf whose shards are whole groups of 8 rows of its ``(8, 128)`` tiles
+(``_tile_sharded``) travels in the tiles' order both ways (its gradient unless gradient
+residuals are kept): the leaf is then a bitcast of the vector a collective sends or
+receives, where the row-major vector is a relayout of the whole leaf. The master shards
+stay row-major on every backend.
 
 Bytes per step and device (ring convention, ``P_c(k)`` codec ``c``'s payload bytes for ``k``
 elements, ``S_c`` the compressed leaves' shard sizes, ``S_e`` the exact ones')::
@@ -342,12 +345,11 @@ def _scatter_grads(cfg: _Config, plan, grads: list, residual: tuple, key, n: int
 
 def _grad_part(g: jax.Array, l: _Leaf, n: int, tiles: bool) -> jax.Array:
     """A gradient leaf as the reduce-scatter sends it: the padded row-major vector, or
-    on TPU, for a tile-sharded leaf (``tiles``), the leaf in its tiles' order, whose
-    ``n`` chunks are the shards' tile orders."""
+    for a tile-sharded leaf (``tiles``) ``bucket.ravel_leaf``'s order (on TPU the tiles',
+    a bitcast), whose ``n`` chunks are the shards in ``bucket.ravel_shard``'s order."""
     if not (tiles and _tile_sharded(l, n)):
         return _padded(g, n * l.shard)
-    return _by_layout(g, lambda u: bucket.ravel_tiles(u.astype(jnp.float32)),
-                      lambda u: _padded(u, n * l.shard))
+    return bucket.ravel_leaf(g.astype(jnp.float32))
 
 
 def _grad_shard(chunk: jax.Array, l: _Leaf, n: int, tiles: bool) -> jax.Array:
@@ -355,8 +357,7 @@ def _grad_shard(chunk: jax.Array, l: _Leaf, n: int, tiles: bool) -> jax.Array:
     master shard is kept (on TPU a relayout of the shard alone, ``1 / n`` of the leaf)."""
     if not (tiles and _tile_sharded(l, n)):
         return chunk
-    rows = (l.shard // l.shape[-1], l.shape[-1])
-    return _by_layout(chunk, lambda u: bucket.unravel_tiles(u, rows).reshape(-1), lambda u: u)
+    return bucket.unravel_shard(chunk, l.shape)
 
 
 def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, state: ZeroState,
@@ -402,12 +403,10 @@ def _materialized_on_tpu(tree: Any) -> Any:
 
 
 def _tile_sharded(l: _Leaf, n: int) -> bool:
-    """Whether the ``n`` shards of leaf ``l`` are whole ``(8, 128)`` tile rows of it: a
-    leaf ``[..., R, C]`` a TPU stores in tiles (``R % 8 == 0``, ``C % 128 == 0``), split
-    without padding into shards of whole groups of 8 rows. Then the leaf's tile order
-    (``bucket.ravel_tiles``) is its shards' own tile orders one after the other."""
-    c = l.shape[-1] if l.shape else 0
-    return bucket.tiled(l.shape) and n * l.shard == l.size and l.shard % (8 * c) == 0
+    """Whether leaf ``l``'s ``n`` shards are whole groups of 8 tile rows of it
+    ([`commjax.bucket.tile_sharded`][]): such a leaf travels in ``bucket.ravel_leaf``'s
+    order, the one a TPU stores it in."""
+    return l.route != PASS and bucket.tile_sharded(l.shape, l.shard, n)
 
 
 def _param_shard(p: jax.Array, l: _Leaf, n: int, idx: jax.Array) -> jax.Array:
@@ -423,29 +422,21 @@ def _param_shard(p: jax.Array, l: _Leaf, n: int, idx: jax.Array) -> jax.Array:
     return mine.reshape(-1).astype(jnp.float32)
 
 
-def _by_layout(x: Any, tiled: Any, flat: Any) -> Any:
-    """``tiled(x)`` when lowered for TPU, ``flat(x)`` elsewhere (one seam, for tests)."""
-    return lax.platform_dependent(x, tpu=tiled, default=flat)
-
-
 def _send_order(v: jax.Array, l: _Leaf, n: int) -> jax.Array:
-    """A weight shard as the codec sends it: on TPU, for a tile-sharded leaf
-    (``_tile_sharded``), in the tile order of its rows, so that the gathered vector is
-    the leaf's tile order and becomes the leaf with a bitcast (``_gathered_leaf``);
-    row-major otherwise. Which elements share a codec block then depends on the backend,
-    as in [`commjax.compressed_mean`][]; the shard itself (the master) stays row-major."""
-    if not _tile_sharded(l, n):
-        return v
-    rows = (l.shard // l.shape[-1], l.shape[-1])
-    return _by_layout(v, lambda u: bucket.ravel_tiles(u.reshape(rows)), lambda u: u)
+    """A weight shard as the codec sends it: for a tile-sharded leaf in
+    ``bucket.ravel_shard``'s order (on TPU its rows' tiles), so that the gathered vector
+    is the leaf in ``ravel_leaf``'s order, a bitcast of the leaf on TPU
+    (``_gathered_leaf``). Which elements share a codec block then depends on the backend,
+    as in [`commjax.compressed_mean`][]; the master shard stays row-major."""
+    return bucket.ravel_shard(v, l.shape) if _tile_sharded(l, n) else v
 
 
 def _gathered_leaf(f: jax.Array, l: _Leaf, n: int, coded: bool) -> jax.Array:
     """The gathered (padded, flat) vector ``f`` of leaf ``l`` in the leaf's shape; the
     inverse of ``_send_order`` for a coded leaf."""
-    if not (coded and _tile_sharded(l, n)):
-        return f[:l.size].reshape(l.shape)
-    return _by_layout(f, lambda u: bucket.unravel_tiles(u, l.shape), lambda u: u.reshape(l.shape))
+    if coded and _tile_sharded(l, n):
+        return bucket.unravel_leaf(f, l.shape)
+    return f[:l.size].reshape(l.shape)
 
 
 def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params: list,
