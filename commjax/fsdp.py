@@ -53,7 +53,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from commjax import _compat, collectives as cc
+from commjax import _compat, bucket, collectives as cc
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec, flat_columns, join_rows, scatter_width, shard_width
@@ -322,8 +322,9 @@ def fsdp_gather(
     for i, g in zip(exact, got):
         out[i] = g
     comp = [i for i, r in enumerate(routes) if r]
+    tiles = _tile_sharded(leaves, like_leaves, num)
     if comp:
-        parts = [leaves[i] for i in comp]
+        parts = [bucket.ravel_shard(leaves[i], np.shape(like_leaves[i])) if tiles[i] else leaves[i] for i in comp]
         if exact:
             # The exact gather first on every device: independent collectives may start in
             # different orders on different devices and deadlock per-collective runtimes.
@@ -336,8 +337,21 @@ def fsdp_gather(
         for i, g in zip(comp, got):
             out[i] = g
     if like_leaves is not None:
-        out = [_unpad(g, l, where) for g, l in zip(out, like_leaves)]
+        out = [bucket.unravel_leaf(g, np.shape(l)).astype(jnp.result_type(l)) if i in comp and tiles[i]
+               else _unpad(g, l, where) for i, (g, l) in enumerate(zip(out, like_leaves))]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _tile_sharded(leaves: list, like_leaves: Optional[list], num: int) -> list[bool]:
+    """Per leaf, whether its 1-D shards are whole groups of 8 tile rows of the leaf
+    ([`commjax.bucket.tile_sharded`][]): a compressed one is then sent in
+    ``bucket.ravel_shard``'s order, so that on TPU the gathered leaf is a bitcast of the
+    received vector and the VJP's cotangent one of the leaf, not a relayout of the
+    whole leaf each way; the shard itself (the parameter) stays row-major."""
+    if like_leaves is None:
+        return [False] * len(leaves)
+    return [np.ndim(s) == 1 and bucket.tile_sharded(np.shape(l), np.shape(s)[0], num)
+            for s, l in zip(leaves, like_leaves)]
 
 
 def _unpad(full: jax.Array, like: Any, where: str) -> jax.Array:

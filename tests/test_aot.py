@@ -411,9 +411,10 @@ def test_zero_weight_decode_stays_in_lane_rows_on_tpu():
     these leaves (shards of whole tile rows, sent in tile order both ways) are the
     leaves' own layout. With the decode moved past a relayout into the leaves, the
     per-block steps were broadcast to each leaf's shape: 1.50x exact ZeRO's HBM traffic;
-    relaid once, 1.09x and 1.5 gradients more scratch. Now at most half a gradient more
-    scratch with either implementation, and with the Pallas kernels less traffic than
-    exact ZeRO."""
+    relaid once, 1.09x and 1.5 gradients more scratch. In tile order less traffic than
+    exact ZeRO with either implementation, and with the Pallas kernels less scratch too
+    (the reference's decode still writes the levels and relays them across sublanes:
+    about one gradient more)."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
     params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
@@ -426,10 +427,10 @@ def test_zero_weight_decode_stays_in_lane_rows_on_tpu():
 
     exact, ref, pallas = report(None), report("reference"), report("pallas")
     grad_bytes = 4 * (4096 * 4096 + 4096 * 1024 + 4096)
-    assert ref["traffic"] <= 1.15 * exact["traffic"], (ref["traffic"], exact["traffic"])
+    assert ref["traffic"] <= 0.95 * exact["traffic"], (ref["traffic"], exact["traffic"])
     assert pallas["traffic"] <= 0.85 * exact["traffic"], (pallas["traffic"], exact["traffic"])
-    for r in (ref, pallas):
-        assert r["temp"] <= exact["temp"] + 0.5 * grad_bytes, (r["temp"], exact["temp"])
+    assert ref["temp"] <= exact["temp"] + 1.2 * grad_bytes, (ref["temp"], exact["temp"])
+    assert pallas["temp"] <= exact["temp"], (pallas["temp"], exact["temp"])
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
