@@ -42,9 +42,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 import commjax as cj  # noqa: E402
-from commjax import aot  # noqa: E402
+from commjax import _compat, aot  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
@@ -233,6 +234,44 @@ def measure(target: str, model: str, names: list, dump: Any = None, table: Any =
     return rows
 
 
+#: Codecs of the FSDP rows (weights, gradients): ZeRO++'s qwZ + qgZ and an int4 variant.
+FSDP = {"fsdp_exact": (None, None),
+        "fsdp_int8": (cj.quantize(8, stochastic=False), cj.quantize(8)),
+        "fsdp_int8_int4": (cj.quantize(8, stochastic=False), cj.quantize(4))}
+
+
+def measure_fsdp(target: str, model: str, names: list) -> list:
+    """``cj.fsdp_gather`` of every leaf of ``model`` and its VJP (a loss elementwise in the
+    gathered weights), compiled per device on the 1-D mesh: the gather and the gradient's
+    reduce-scatter with each row's codecs."""
+    mesh = aot.target_mesh(target)
+    params = models()[model]
+    n = mesh.devices.size
+    like = cj.fsdp_like(params)
+    shards = jax.eval_shape(lambda p: cj.fsdp_shard(p, n, align=256), params)
+    specs = cj.fsdp_specs(shards, "data")
+    args = jax.tree_util.tree_map(
+        lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp)), shards, specs)
+    rows = []
+    for name in names:
+        codec, grad_codec = FSDP[name]
+
+        def local(sh):
+            def loss(s):
+                full = cj.fsdp_gather(s, "data", codec, grad_codec=grad_codec, like=like)
+                return sum(jnp.sum(jnp.tanh(w) ** 2) for w in jax.tree_util.tree_leaves(full))
+            return jax.grad(loss)(sh)
+
+        fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False))
+        rep = aot.analyze(fn.lower(args).compile(), target)
+        rep.update(method=name, family="fsdp", grad_bytes=sum(4 * a.size for a in jax.tree_util.tree_leaves(params)))
+        rows.append(rep)
+        print(f"  {name}: traffic {rep['traffic'] / 1e6:.1f} MB, temp {rep['temp'] / 1e6:.1f} MB, "
+              f"wire {rep['wire'] / 1e6:.2f} MB", flush=True)
+    _ratios(rows)
+    return rows
+
+
 def _measure_one(target: str, model: str, name: str, dump: Any, bucket: Any, residual_dtype: str) -> dict:
     """One row of ``measure``, in a process of its own (``--isolate``)."""
     return measure(target, model, [name], dump, methods(bucket, jnp.dtype(residual_dtype)))[0]
@@ -258,7 +297,7 @@ def measure_isolated(target: str, model: str, names: list, dump: Any, bucket: An
 
 
 def _ratios(rows: list) -> None:
-    base = {"mean": "exact", "zero": "zero_exact"}
+    base = {"mean": "exact", "zero": "zero_exact", "fsdp": "fsdp_exact"}
     by = {r["method"]: r for r in rows if "error" not in r}
     for r in rows:
         if "error" in r:
@@ -309,9 +348,18 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--train", action="store_true",
                     help="the train step of a model (--model gpt2s or mlp8x2048): overlap of the "
                          "exchange with the backward pass")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="cj.fsdp_gather of the model's leaves and its VJP (rows: " + ", ".join(FSDP) + ")")
     args = ap.parse_args(argv)
     if args.train:
         return _main_train(args, argv)
+    if args.fsdp:
+        rows = measure_fsdp(args.target, args.model, list(FSDP) if args.methods is None else args.methods.split(","))
+        print(table(rows))
+        out = RESULTS / f"aot_{args.target.replace(':', '_')}_fsdp_{args.model}.json"
+        write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                            "target": args.target, "model": args.model, "jax": jax.__version__, "rows": rows})
+        return 0
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
     table_ = methods(bucket, jnp.dtype(args.residual_dtype))
     names = list(table_) if args.methods is None else args.methods.split(",")
