@@ -258,7 +258,8 @@ def measure_fsdp(target: str, model: str, names: list) -> list:
 
         def local(sh):
             def loss(s):
-                full = cj.fsdp_gather(s, "data", codec, grad_codec=grad_codec, like=like)
+                full = cj.fsdp_gather(s, "data", codec, grad_codec=grad_codec, like=like,
+                                      key=jax.random.PRNGKey(0))
                 return sum(jnp.sum(jnp.tanh(w) ** 2) for w in jax.tree_util.tree_leaves(full))
             return jax.grad(loss)(sh)
 
