@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import commjax as cj  # noqa: E402
 from commjax import _compat, aot  # noqa: E402
@@ -241,30 +241,37 @@ FSDP = {"fsdp_exact": (None, None),
 
 
 def measure_fsdp(target: str, model: str, names: list) -> list:
-    """``cj.fsdp_gather`` of every leaf of ``model`` and its VJP (a loss elementwise in the
-    gathered weights), compiled per device on the 1-D mesh: the gather and the gradient's
-    reduce-scatter with each row's codecs."""
+    """``cj.fsdp_gather`` of every leaf of ``model`` and its VJP, compiled per device on
+    the 1-D mesh: the gather and the gradient's reduce-scatter with each row's codecs. The
+    loss multiplies each matrix by 16 rows of activations (so that the gathered weights
+    are materialized, as a layer's matmul needs them) and squares the vectors."""
     mesh = aot.target_mesh(target)
     params = models()[model]
     n = mesh.devices.size
     like = cj.fsdp_like(params)
     shards = jax.eval_shape(lambda p: cj.fsdp_shard(p, n, align=256), params)
     specs = cj.fsdp_specs(shards, "data")
-    args = jax.tree_util.tree_map(
-        lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp)), shards, specs)
+    place = lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))  # noqa: E731
+    acts = jax.tree_util.tree_map(lambda w: jax.ShapeDtypeStruct((16, w.shape[0]) if w.ndim == 2 else (1,), w.dtype),
+                                  params)
+    args = (jax.tree_util.tree_map(place, shards, specs), jax.tree_util.tree_map(lambda a: place(a, P()), acts))
+
+    def term(w, x):
+        return jnp.sum(jnp.tanh(x @ w)) if w.ndim == 2 else jnp.sum(w * w)
+
     rows = []
     for name in names:
         codec, grad_codec = FSDP[name]
 
-        def local(sh):
+        def local(sh, xs):
             def loss(s):
                 full = cj.fsdp_gather(s, "data", codec, grad_codec=grad_codec, like=like,
                                       key=jax.random.PRNGKey(0))
-                return sum(jnp.sum(jnp.tanh(w) ** 2) for w in jax.tree_util.tree_leaves(full))
+                return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(term, full, xs)))
             return jax.grad(loss)(sh)
 
-        fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False))
-        rep = aot.analyze(fn.lower(args).compile(), target)
+        fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs, check_vma=False))
+        rep = aot.analyze(fn.lower(*args).compile(), target)
         rep.update(method=name, family="fsdp", grad_bytes=sum(4 * a.size for a in jax.tree_util.tree_leaves(params)))
         rows.append(rep)
         print(f"  {name}: traffic {rep['traffic'] / 1e6:.1f} MB, temp {rep['temp'] / 1e6:.1f} MB, "
