@@ -404,7 +404,7 @@ def _materialized_on_tpu(tree: Any) -> Any:
 
 def _tile_sharded(l: _Leaf, n: int) -> bool:
     """Whether leaf ``l``'s ``n`` shards are whole groups of 8 tile rows of it
-    ([`commjax.bucket.tile_sharded`][]): such a leaf travels in ``bucket.ravel_leaf``'s
+    (``commjax.bucket.tile_sharded``): such a leaf travels in ``bucket.ravel_leaf``'s
     order, the one a TPU stores it in."""
     return l.route != PASS and bucket.tile_sharded(l.shape, l.shard, n)
 
