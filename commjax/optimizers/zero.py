@@ -466,7 +466,7 @@ def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params
         # bitcast, decoded where its update is written (held too, with the others, every
         # decoded leaf stayed alive at once: GPT-2 on a v5e, 1.0 gradients of scratch).
         held = [k for k, i in enumerate(coded) if not _tile_sharded(plan[i], n)]
-        for k, g in zip(held, _materialized_on_tpu([out[k] for k in held])):
+        for k, g in zip(held, _materialized_on_tpu([out[k] for k in held]) if held else []):
             out[k] = g
         for i, g in zip(coded, out):
             full[i] = g
