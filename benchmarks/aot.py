@@ -289,11 +289,12 @@ def measure_isolated(target: str, model: str, names: list, dump: Any, bucket: An
                      residual_dtype: str) -> list:
     """``measure``, each method compiled in a fresh process: what one compile of a 1e9-
     parameter tree leaves behind is freed with the process, so the next fits in memory."""
+    table_ = methods(bucket, jnp.dtype(residual_dtype))
     rows = []
     for name in names:
         with concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            family = methods(bucket, jnp.dtype(residual_dtype))[name][1]
+            family = table_[name][1]
             try:
                 rows.append(pool.submit(_measure_one, target, model, name, dump, bucket, residual_dtype).result())
             except concurrent.futures.process.BrokenProcessPool:
@@ -364,10 +365,7 @@ def main(argv: Any = None) -> int:
     if args.fsdp:
         rows = measure_fsdp(args.target, args.model, list(FSDP) if args.methods is None else args.methods.split(","))
         print(table(rows))
-        out = RESULTS / f"aot_{args.target.replace(':', '_')}_fsdp_{args.model}.json"
-        write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                            "target": args.target, "model": args.model, "jax": jax.__version__, "rows": rows})
-        return 0
+        return _write(f"fsdp_{args.model}", args.target, args.model, rows, argv)
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
     table_ = methods(bucket, jnp.dtype(args.residual_dtype))
     names = list(table_) if args.methods is None else args.methods.split(",")
@@ -380,9 +378,14 @@ def main(argv: Any = None) -> int:
     print(table(rows))
     suffix = ("" if bucket is None else f"_b{args.bucket_mb:g}m") + (
         "_bf16res" if args.residual_dtype == "bfloat16" else "")
-    out = RESULTS / f"aot_{args.target.replace(':', '_')}_{args.model}{suffix}.json"
+    return _write(f"{args.model}{suffix}", args.target, args.model, rows, argv)
+
+
+def _write(config: str, target: str, model: str, rows: list, argv: Any) -> int:
+    """``aot_<target>_<config>.json``: the rows and the command that wrote them."""
+    out = RESULTS / f"aot_{target.replace(':', '_')}_{config}.json"
     write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "target": args.target, "model": args.model, "jax": jax.__version__, "rows": rows})
+                        "target": target, "model": model, "jax": jax.__version__, "rows": rows})
     return 0
 
 
@@ -391,10 +394,7 @@ def _main_train(args: argparse.Namespace, argv: Any) -> int:
     names = (default if args.methods is None else args.methods).split(",")
     model = args.model if args.model in TRAIN_MODELS else "gpt2s"
     rows = measure_train(args.target, names, model)
-    out = RESULTS / f"aot_{args.target.replace(':', '_')}_train_{model}.json"
-    write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "target": args.target, "model": f"{model} train step", "jax": jax.__version__,
-                        "rows": rows})
+    _write(f"train_{model}", args.target, f"{model} train step", rows, argv)
     return 0
 
 

@@ -440,11 +440,10 @@ def _gathered_leaf(f: jax.Array, l: _Leaf, n: int, coded: bool) -> jax.Array:
 
 
 def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params: list,
-                    flag: jax.Array, key):
+                    flag: jax.Array, key, n: int):
     """Stage 3: every replica's new weights (or their change), decoded identically on
-    every replica; returns ``(updates, bad)`` with ``bad`` typed replicated."""
+    every replica (``n`` of them); returns ``(updates, bad)`` with ``bad`` typed replicated."""
     send = [m - p if cfg.weight_delta else m for m, p in zip(new_master, p_shards)]
-    n = math.prod(_compat.axis_size(a) for a in cfg.axes)
     coded = [i for i, l in enumerate(plan) if l.route == COMPRESS and cfg.weight_codec is not None]
     exact = [i for i, l in enumerate(plan) if l.route != PASS and i not in coded]
     vecs = [send[i] for i in exact] + ([flag] if cfg.check_finite else [])
@@ -513,7 +512,7 @@ def _update(cfg: _Config, inner, grads, state: ZeroState, params):
     p_shards = [_param_shard(p, l, n, idx) for p, l in zip(p_leaves, plan)]
     new_master, new_inner = _inner_step(cfg, inner, treedef, g_shards, p_shards, state, first, bad)
     updates, _ = _gather_weights(cfg, plan, new_master, p_shards, p_leaves, flag,
-                                 jax.random.fold_in(step_key, 1))
+                                 jax.random.fold_in(step_key, 1), n)
     if cfg.check_finite and residual:
         residual = tuple(jnp.where(bad, o, r) for o, r in zip(state.residual, residual))
     new_state = ZeroState(
