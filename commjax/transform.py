@@ -377,7 +377,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         parts = _zero_bad(parts, ok)
     residuals = [res_ravel(r.astype(jnp.float32)) for r in state.residual] if cfg.feedback else None
     comp_metrics = {}
-    if cfg.compressor.metric_names:
+    if cfg.compressor.metric_names and not cfg.compressor.metrics_from_payload:
         comp_metrics = cfg.compressor.local_metrics(_with_residuals(parts, residuals, segs), segs)
     if exchange is not None:
         # Leaf-shaped parts, residuals and results (``_flat_order``): nothing is padded.
@@ -399,6 +399,10 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         shared_key=keys[0], keep=keep)
     new_server = state.server_residual if server is None else res.server_residual
     new_res = [] if residuals is None else list(res.residuals)
+    if cfg.compressor.metric_names and cfg.compressor.metrics_from_payload:
+        if res.sent is None:
+            raise AssertionError(f"reducer {plan.reducer!r} does not report what {cfg.compressor.name} sent")
+        comp_metrics = cfg.compressor.payload_metrics(res.sent, segs)
     return _Compressed(res.means, new_res, new_server, state.compressor_state, comp_metrics, res.finite,
                        kept=res.kept and res.finite is None)
 

@@ -208,9 +208,11 @@ def test_topk_encode_decode_property(case, chunk, vdtype, scope):
                 expected = expected.astype(jnp.bfloat16).astype(np.float32)
             seg = slice(off + start, off + min(start + ch, size))
             np.testing.assert_array_equal(y[seg], expected[seg])
-    # The local density metric counts what was sent as non-zeros.
+    # The local density metric counts what was sent as non-zeros; so does the one read
+    # from the payload (compressed_mean's), without the input.
     dens = float(metrics["density"])
     assert dens == pytest.approx(np.count_nonzero(y) / n, abs=1e-6)
+    assert float(c.payload_metrics([(words, n, segs)], segs)["density"]) == pytest.approx(dens, abs=1e-6)
 
 
 @settings(max_examples=10, deadline=None)
@@ -381,6 +383,26 @@ def test_random_k_masks_identical_on_replicas_and_new_each_step(mesh):
     g = np.asarray(grads["w"]).reshape(N, -1)
     np.testing.assert_allclose(outs[0]["w"].reshape(N, -1)[0][masks[0]], g.mean(0)[masks[0]], rtol=1e-6)
     assert np.all(np.asarray(states[0].metrics["density"]) == np.float32(k / 2000))
+
+
+@pytest.mark.parametrize("reducer", ["allgather", "two_phase"])
+def test_density_counts_the_entries_each_replica_sent(mesh, reducer):
+    """compressed_mean's top-k ``density`` (read from the payloads) is the fraction of
+    entries this replica sent: those its residual holds as exact zeros (Gaussian data has
+    none of its own). The two-phase reducer selects per destination chunk: more than the
+    bucket-wide k (its per-chunk counts are rounded up), still counted as sent."""
+    rng = np.random.default_rng(3)
+    grads = {"a": jnp.asarray(rng.standard_normal((N, 40, 50)), jnp.float32),
+             "b": jnp.asarray(rng.standard_normal((N, 10, 30)), jnp.float32)}
+    tx = compressed_mean(top_k(0.03), "data", reducer=reducer, min_compress_size=16)
+    _, states = _run(tx, mesh, grads, 1)
+    res = flat_residual(states[0], N)
+    sent = (res == 0).sum(1)
+    if reducer == "allgather":  # k per leaf: ceil(0.03 * 2000) + ceil(0.03 * 300)
+        assert np.all(sent == 60 + 9)
+    else:  # k per chunk of the 2,300 joined values cut into N: 8 * ceil(0.03 * 288)
+        assert np.all(sent == 8 * 9)
+    np.testing.assert_allclose(np.asarray(states[0].metrics["density"]).reshape(N), sent / res.shape[1], rtol=1e-6)
 
 
 @pytest.mark.parametrize("comp", [top_k(0.02, chunk_size=256, values_dtype=jnp.bfloat16), threshold(1.5, 40)],

@@ -45,6 +45,9 @@ class PartsResult(NamedTuple):
     #: Whether ``residuals`` already hold the old residual on every segment flagged in
     #: ``reduce_parts``'s ``keep`` (else the caller selects them).
     kept: bool = False
+    #: This replica's own payloads as ``(words, n, segments)`` (``Compressor.payload_metrics``);
+    #: ``None`` where a reducer does not report them (block codecs, which have no metrics).
+    sent: Optional[list] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +261,8 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
     got = gather_words(words, axis_name, num_replicas, tiled=False)
     n = sum(s.padded_size for s in segments)
     mean = codec.decode_sum(got, n, segments, divide=num_replicas)
-    return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual), kept=kept)
+    return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual), kept=kept,
+                       sent=[(words, n, segments)])
 
 
 def _encode_segmentwise(codec, parts, segments, residuals, key, keep=None):
@@ -352,8 +356,10 @@ class TwoPhase(Reducer):
             if m > n:  # whole zero blocks up to N chunks: their encoding, once
                 words.append(codec.encode(jnp.zeros((m - n,), jnp.float32), key, start=n))
             rows = jnp.concatenate(words).reshape(num_replicas, -1)
+            sent = None
         else:
             rows, outs = _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas)
+            sent = [(rows[r], m // num_replicas, None) for r in range(num_replicas)]
         server = self._server(codec)
         gathered, new_server = _two_phase_exchange(
             codec, server, rows, m // num_replicas, axis_name, num_replicas, key, server_residual,
@@ -366,7 +372,7 @@ class TwoPhase(Reducer):
         else:
             full = decode_rows(server, gathered.reshape(num_replicas, -1), m // num_replicas)
             means = flat_bucket.cut(full.reshape(-1), segments)
-        return PartsResult(means, outs, new_server, finite)
+        return PartsResult(means, outs, new_server, finite, sent=sent)
 
 
 def _sparse_rows(codec, parts, segments, residuals, key, m, num_replicas):
@@ -598,11 +604,13 @@ def _one_replica(codec, parts, segments, key, residuals, server_residual):
     if residuals is not None:
         parts = [p + jnp.pad(r.astype(jnp.float32), (0, s.padded_size - s.size))
                  for p, r, s in zip(parts, residuals, segments)]
+    sent = None
     if isinstance(codec, BlockCompressor):
         local = [codec.encode_and_decode(p, key, start=s.offset)[1][:s.size]
                  for p, s in zip(parts, segments)]
     else:
-        local = flat_bucket.cut(codec.encode_and_decode(flat_bucket.concat(parts), key, segments)[1],
-                                segments)
+        x = flat_bucket.concat(parts)
+        words, decoded = codec.encode_and_decode(x, key, segments)
+        local, sent = flat_bucket.cut(decoded, segments), [(words, x.shape[0], segments)]
     outs = local if residuals is None else [p[:s.size] - c for p, c, s in zip(parts, local, segments)]
-    return PartsResult(local, outs, _empty(server_residual))
+    return PartsResult(local, outs, _empty(server_residual), sent=sent)

@@ -385,6 +385,7 @@ class TopK(_SparseDecode, Compressor):
     recall_target: float = 0.95
     name: ClassVar[str] = "top_k"
     metric_names: ClassVar[tuple[str, ...]] = ("density",)
+    metrics_from_payload: ClassVar[bool] = True
 
     @property
     def values_dtype(self) -> Any:
@@ -471,17 +472,31 @@ class TopK(_SparseDecode, Compressor):
         return _entries(pos, val)
 
     def local_metrics(self, x, segments):
-        """``density``: fraction of the bucket's entries sent as non-zeros this step."""
+        """``density``: fraction of the bucket's entries sent as non-zeros this step,
+        ``sum_chunks min(nnz, k) / n`` (a chunk's ``k`` largest magnitudes are all
+        non-zero, or include all of its non-zeros)."""
         n = x.shape[0]
         if n == 0:
             return {"density": jnp.zeros((), jnp.float32)}
         sent = jnp.zeros((), jnp.int32)
-        total = 0
         for g in self.groups(n, segments):
             nnz = jnp.sum(self._chunked(x, g) != 0, axis=1)
             sent = sent + jnp.sum(jnp.minimum(nnz, g.k))
-            total += g.size
-        return {"density": sent.astype(jnp.float32) / max(total, 1)}
+        return {"density": sent.astype(jnp.float32) / self._domain_size(n, segments)}
+
+    def _domain_size(self, n: int, segments) -> int:
+        return max(sum(g.size for g in self.groups(n, segments)), 1)
+
+    def payload_metrics(self, sent, segments):
+        """``density`` counted in the payloads: their non-zero values over the bucket's
+        selection domains (``local_metrics``' value where the selection is exact and the
+        values travel in fp32; an approximate selection's or a bf16 value that underflows
+        counts as what it is, and the two-phase reducer's per-chunk selection as made)."""
+        count = jnp.zeros((), jnp.int32)
+        for words, n, segs in sent:
+            count = count + jnp.sum(self.entries(words, n, segs)[1] != 0)
+        n = sum(int(s.padded_size) for s in segments)
+        return {"density": count.astype(jnp.float32) / self._domain_size(n, segments)}
 
 
 def top_k(
