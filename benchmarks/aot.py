@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import gc
+import json
 import multiprocessing
 import os
 import sys
@@ -48,7 +49,7 @@ import commjax as cj  # noqa: E402
 from commjax import _compat, aot  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_results  # noqa: E402
+from _results import provenance, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Bucket size of the in-backward rows: one 2048 x 2048 layer (16 MB) per bucket.
@@ -354,6 +355,9 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--isolate", action="store_true",
                     help="compile each method in a process of its own (1e9-parameter trees: one "
                          "compile's leftovers would not leave room for the next in 24 GB)")
+    ap.add_argument("--update", action="store_true",
+                    help="measure only --methods (and the exact baseline) and replace those rows of "
+                         "the existing result file, keeping its other rows (each row says its commit)")
     ap.add_argument("--train", action="store_true",
                     help="the train step of a model (--model gpt2s or mlp8x2048): overlap of the "
                          "exchange with the backward pass")
@@ -362,10 +366,12 @@ def main(argv: Any = None) -> int:
     args = ap.parse_args(argv)
     if args.train:
         return _main_train(args, argv)
+    if args.update and args.methods is None:
+        ap.error("--update replaces the rows of --methods: name them")
     if args.fsdp:
         rows = measure_fsdp(args.target, args.model, list(FSDP) if args.methods is None else args.methods.split(","))
         print(table(rows))
-        return _write(f"fsdp_{args.model}", args.target, args.model, rows, argv)
+        return _write(f"fsdp_{args.model}", args.target, args.model, rows, argv, args.update)
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
     table_ = methods(bucket, jnp.dtype(args.residual_dtype))
     names = list(table_) if args.methods is None else args.methods.split(",")
@@ -378,15 +384,37 @@ def main(argv: Any = None) -> int:
     print(table(rows))
     suffix = ("" if bucket is None else f"_b{args.bucket_mb:g}m") + (
         "_bf16res" if args.residual_dtype == "bfloat16" else "")
-    return _write(f"{args.model}{suffix}", args.target, args.model, rows, argv)
+    return _write(f"{args.model}{suffix}", args.target, args.model, rows, argv, args.update)
 
 
-def _write(config: str, target: str, model: str, rows: list, argv: Any) -> int:
-    """``aot_<target>_<config>.json``: the rows and the command that wrote them."""
+def _write(config: str, target: str, model: str, rows: list, argv: Any, update: bool = False) -> int:
+    """``aot_<target>_<config>.json``: the rows and the command that wrote them; with
+    ``update`` the existing file's rows with these replaced (``_updated``)."""
     out = RESULTS / f"aot_{target.replace(':', '_')}_{config}.json"
-    write_results(out, {"command": "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                        "target": target, "model": model, "jax": jax.__version__, "rows": rows})
+    command = "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    commit = provenance()["commit"]
+    for r in rows:
+        r["commit"] = commit
+    record = {"target": target, "model": model, "jax": jax.__version__, "rows": rows}
+    if update:
+        old = json.loads(out.read_text())
+        record, command = _updated(old, rows, command), old["command"]
+    write_results(out, record, command=command)
     return 0
+
+
+def _updated(old: dict, rows: list, command: str) -> dict:
+    """``old``'s record with ``rows`` in place of its rows of the same methods (new ones
+    appended) and the ratios taken again; ``command`` stays the one that measures every
+    row, this one is listed under ``updates``."""
+    new = {r["method"]: r for r in rows}
+    merged = [new.pop(r["method"], r) for r in old["rows"]] + list(new.values())
+    for r in merged:
+        r.setdefault("commit", old.get("commit"))
+    _ratios(merged)
+    keep = {k: v for k, v in old.items() if k not in ("command", "commit", "date", "machine", "rows")}
+    keep["updates"] = list(old.get("updates", [])) + [command]
+    return keep | {"rows": merged}
 
 
 def _main_train(args: argparse.Namespace, argv: Any) -> int:
