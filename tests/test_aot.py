@@ -450,3 +450,40 @@ def test_bench_target_buckets_and_bf16_residuals():
     assert abs(saved - grad / 2) <= 0.01 * grad, (saved, grad)
     assert len(split[1]["collectives"]) > len(one[1]["collectives"]) + 4
     assert "x exact" in bench.target_table(split)
+
+
+def _benchmark(name: str):
+    """A script of ``benchmarks/`` loaded as a module (its folder on the path for its helpers)."""
+    import sys
+    from pathlib import Path
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_update_replaces_the_named_rows_and_keeps_the_others():
+    """``benchmarks/aot.py --update``: the measured rows replace theirs (new ones are
+    appended), the others stay with the commit that measured them, every ratio is taken
+    against the new exact row, and the file keeps the command that measures all rows."""
+    bench = _benchmark("aot")
+
+    def row(method, traffic, temp, commit=None):
+        r = {"method": method, "family": "mean", "traffic": traffic, "ideal": 50.0, "temp": temp,
+             "grad_bytes": 10, "projected_fast_s": traffic / 1e3, "projected_slow_s": traffic / 1e4}
+        return r if commit is None else r | {"commit": commit}
+
+    old = {"command": "python benchmarks/aot.py --model m", "commit": "aaa", "date": "d", "machine": {},
+           "target": "t", "model": "m", "rows": [row("exact", 100.0, 10.0), row("int8", 300.0, 30.0),
+                                                 row("sign", 200.0, 5.0)]}
+    update = "python benchmarks/aot.py --model m --methods int8,fp8 --update"
+    got = bench._updated(old, [row("exact", 125.0, 10.0, "bbb"), row("int8", 150.0, 12.0, "bbb"),
+                               row("fp8", 250.0, 11.0, "bbb")], update)
+    assert [r["method"] for r in got["rows"]] == ["exact", "int8", "sign", "fp8"]
+    assert [r["commit"] for r in got["rows"]] == ["bbb", "bbb", "aaa", "bbb"]
+    assert [r["over_exact"] for r in got["rows"]] == [1.0, 1.2, 1.6, 2.0]
+    assert got["rows"][1]["temp_over_exact_in_grads"] == pytest.approx(0.2)
+    assert got["updates"] == [update] and not {"command", "commit", "date", "machine"} & set(got)
+    assert bench._updated(got, [], "again")["updates"] == [update, "again"]
