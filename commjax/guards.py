@@ -140,7 +140,7 @@ def l2_norm(arrays: Sequence[jax.Array]) -> jax.Array:
 _FLUSH_MARGIN = 2.0 ** -103
 
 
-def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array) -> jax.Array:
+def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array, *, tpu_sums: bool = False) -> jax.Array:
     """``l2_norm(arrays)`` for arrays whose norm is likely near ``hint`` (last step's).
 
     One plain sum of squares of ``a * 2**-k``, ``k = round(log2 hint)``, which XLA fuses
@@ -151,16 +151,20 @@ def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array) -> jax.Array:
     conditional: the same result to rounding, finite whenever the norm is. ``hint`` may
     be anything (0, inf, NaN: no scaling).
 
-    On TPU, ``_banded_norm``, which needs no hint and no conditional: there the
-    conditional's operands cost more scratch (+111 MB, 1.3 gradients, for a
-    21M-parameter MLP's int8 step on a v5e) than the read it saves (94 MB of traffic),
-    and ``l2_norm``'s pairwise reduction is a pass of its own (the same MLP's PowerSGD
-    step: 639 MB with it, 505 MB with ``_banded_norm``)."""
+    On TPU no conditional: its operands cost more scratch there (+111 MB, 1.3 gradients,
+    for a 21M-parameter MLP's int8 step on a v5e) than the read it saves (94 MB of
+    traffic). ``l2_norm`` itself, or with ``tpu_sums`` ``_banded_norm`` (three plain sums,
+    no hint): which one XLA computes with the pass that writes the arrays depends on that
+    pass. For PowerSGD's residual ``x - P Q^T`` the sums (the MLP's step: 639 MB with
+    ``l2_norm``, 505 MB; in 4 MB buckets 755 and 621 MB); for residuals the block codecs
+    write in buckets ``l2_norm``, whose reduction XLA takes while they are on chip (bf16 in
+    4 MB buckets: 488 MB, 591 MB with the sums, which read them again)."""
     arrays = [jnp.ravel(a).astype(jnp.float32) for a in arrays]
     if sum(a.shape[0] for a in arrays) == 0:
         return jnp.zeros((), jnp.float32)
     hint = jnp.asarray(hint, jnp.float32).reshape(())
-    return lax.platform_dependent(hint, *arrays, tpu=lambda h, *xs: _banded_norm(xs), default=_scaled_sum_norm)
+    on_tpu = _banded_norm if tpu_sums else l2_norm
+    return lax.platform_dependent(hint, *arrays, tpu=lambda h, *xs: on_tpu(xs), default=_scaled_sum_norm)
 
 
 #: ``_banded_norm``'s scales (powers of two) and the least sum a band is trusted with.

@@ -498,8 +498,10 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
 
 
 def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics, last_norm) -> dict:
-    # Read in memory order: a row-major ravel would transpose each residual on TPU.
-    norm = guards.l2_norm_near([flat_bucket.ravel_leaf(r) for r in residual], last_norm)
+    # Read in memory order: a row-major ravel would transpose each residual on TPU. On
+    # TPU an exchange's residual norm from plain sums (see l2_norm_near).
+    norm = guards.l2_norm_near([flat_bucket.ravel_leaf(r) for r in residual], last_norm,
+                               tpu_sums=cfg.compressor.has_exchange)
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
