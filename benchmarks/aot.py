@@ -49,7 +49,7 @@ import commjax as cj  # noqa: E402
 from commjax import _compat, aot  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import provenance, write_results  # noqa: E402
+from _results import commit, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Bucket size of the in-backward rows: one 2048 x 2048 layer (16 MB) per bucket.
@@ -392,9 +392,9 @@ def _write(config: str, target: str, model: str, rows: list, argv: Any, update: 
     ``update`` the existing file's rows with these replaced (``_updated``)."""
     out = RESULTS / f"aot_{target.replace(':', '_')}_{config}.json"
     command = "python benchmarks/aot.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    commit = provenance()["commit"]
+    measured_at = commit()
     for r in rows:
-        r["commit"] = commit
+        r["commit"] = measured_at
     record = {"target": target, "model": model, "jax": jax.__version__, "rows": rows}
     if update:
         old = json.loads(out.read_text())

@@ -195,8 +195,9 @@ def _banded_norm(arrays: Sequence[jax.Array]) -> jax.Array:
     cap = jnp.float32(2.0 ** 60)
     sums = [sum(jnp.sum(jnp.square(jnp.minimum(jnp.abs(a) * jnp.float32(2.0 ** b), cap))) for a in arrays)
             for b in _BANDS]
+    # From the last band back to the first: the first trusted one is chosen last.
     out = jnp.sqrt(sums[-1]) * jnp.float32(2.0 ** -_BANDS[-1])
-    for b, s in reversed(list(zip(_BANDS[:-1], sums[:-1]))):
+    for b, s in zip(_BANDS[-2::-1], sums[-2::-1]):
         out = jnp.where(s >= _BAND_FLOOR, jnp.sqrt(s) * jnp.float32(2.0 ** -b), out)
     return out
 

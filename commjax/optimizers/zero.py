@@ -398,7 +398,10 @@ def _materialized_on_tpu(tree: Any) -> Any:
     the leaf's size); with it the decoded vector is written once and relaid once. v5e,
     21M MLP, int8 ZeRO: 1,199 MB of HBM traffic (``benchmarks/results/aot_v5e_2x4_mlp21m.json``)
     against 1,649 MB without. GPUs fuse the decode into its consumer; a barrier there only
-    adds a pass (H100, one-off compiles: 850 MB instead of 682)."""
+    adds a pass (H100, one-off compiles: 850 MB instead of 682). An empty tree is
+    returned as it is (no barrier to place)."""
+    if not jax.tree_util.tree_leaves(tree):
+        return tree
     return lax.platform_dependent(tree, tpu=lax.optimization_barrier, default=lambda t: t)
 
 
@@ -465,7 +468,7 @@ def _gather_weights(cfg: _Config, plan, new_master: list, p_shards: list, params
         # bitcast, decoded where its update is written (held too, with the others, every
         # decoded leaf stayed alive at once: GPT-2 on a v5e, 1.0 gradients of scratch).
         held = [k for k, i in enumerate(coded) if not _tile_sharded(plan[i], n)]
-        for k, g in zip(held, _materialized_on_tpu([out[k] for k in held]) if held else []):
+        for k, g in zip(held, _materialized_on_tpu([out[k] for k in held])):
             out[k] = g
         for i, g in zip(coded, out):
             full[i] = g
