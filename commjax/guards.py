@@ -155,10 +155,11 @@ def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array, *, tpu_sums: bool
     for a 21M-parameter MLP's int8 step on a v5e) than the read it saves (94 MB of
     traffic). ``l2_norm`` itself, or with ``tpu_sums`` ``_banded_norm`` (three plain sums,
     no hint): which one XLA computes with the pass that writes the arrays depends on that
-    pass. For PowerSGD's residual ``x - P Q^T`` the sums (the MLP's step: 639 MB with
-    ``l2_norm``, 505 MB; in 4 MB buckets 755 and 621 MB); for residuals the block codecs
-    write in buckets ``l2_norm``, whose reduction XLA takes while they are on chip (bf16 in
-    4 MB buckets: 488 MB, 591 MB with the sums, which read them again)."""
+    pass. The sums for a whole step's residuals (v5e, the MLP's step: PowerSGD 639 -> 505
+    MB, bf16 932 -> 723 MB) and for PowerSGD's in buckets (755 -> 621 MB); ``l2_norm`` for
+    most block codecs' residuals in buckets, whose reduction XLA takes while they are on
+    chip (bf16 in 4 MB buckets: 488 MB, 591 MB with the sums, which read them again).
+    ``compressed_mean`` chooses (``Compressor.tpu_norm_sums_in_buckets``)."""
     arrays = [jnp.ravel(a).astype(jnp.float32) for a in arrays]
     if sum(a.shape[0] for a in arrays) == 0:
         return jnp.zeros((), jnp.float32)

@@ -111,6 +111,9 @@ class ExchangeConfig:
     check_finite: bool
     num_replicas: Optional[int]
     seed: int
+    #: On TPU, the residual-norm metric from ``guards._banded_norm``'s three plain sums
+    #: (else ``guards.l2_norm``): see ``guards.l2_norm_near`` for which one XLA fuses where.
+    tpu_norm_sums: bool = True
 
     def plan(self, leaves, num_replicas: int) -> MeanPlan:
         return make_plan(
@@ -498,10 +501,9 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
 
 
 def _metrics(cfg: ExchangeConfig, residual, any_bad, comp_metrics, last_norm) -> dict:
-    # Read in memory order: a row-major ravel would transpose each residual on TPU. On
-    # TPU an exchange's residual norm from plain sums (see l2_norm_near).
+    # Read in memory order: a row-major ravel would transpose each residual on TPU.
     norm = guards.l2_norm_near([flat_bucket.ravel_leaf(r) for r in residual], last_norm,
-                               tpu_sums=cfg.compressor.has_exchange)
+                               tpu_sums=cfg.tpu_norm_sums)
     metrics = {"residual_norm": norm.reshape(1), "nonfinite": any_bad.astype(jnp.float32).reshape(1)}
     for name in cfg.compressor.metric_names:
         metrics[name] = jnp.asarray(comp_metrics.get(name, 0.0), jnp.float32).reshape(1)
@@ -687,9 +689,21 @@ def compressed_mean(
                        min_compress_size=min_compress_size, compress_vectors=compress_vectors,
                        residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
                        check_finite=check_finite, num_replicas=num_replicas)
-        return bucketed(lambda k: compressed_mean(compressor, axis_name, seed=int(seed) + k, **options),
+        return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
                         int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
                         split=not compressor.has_exchange)
+    return _one_bucket(compressor, axis_name, inner_axis_name=inner_axis_name, error_feedback=error_feedback,
+                       reducer=reducer, min_compress_size=min_compress_size, compress_vectors=compress_vectors,
+                       residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
+                       check_finite=check_finite, num_replicas=num_replicas, seed=seed, in_buckets=False)
+
+
+def _one_bucket(compressor: Compressor, axis_name: Any, *, inner_axis_name, error_feedback, reducer,
+                min_compress_size, compress_vectors, residual_dtype, server_error_feedback, check_finite,
+                num_replicas, seed, in_buckets: bool) -> optax.GradientTransformation:
+    """``compressed_mean`` of one bucket (the options checked by its caller). ``in_buckets``:
+    one of several buckets of a step (``bucket_bytes``), which decides how a TPU computes the
+    residual-norm metric (``ExchangeConfig.tpu_norm_sums``)."""
     cfg = ExchangeConfig(
         compressor=compressor, axis_name=validation.normalize_axis(axis_name),
         inner_axis_name=validation.normalize_axis(inner_axis_name),
@@ -697,6 +711,7 @@ def compressed_mean(
         compress_vectors=bool(compress_vectors), residual_dtype=jnp.dtype(residual_dtype),
         server_error_feedback=bool(server_error_feedback), check_finite=bool(check_finite),
         num_replicas=num_replicas, seed=int(seed),
+        tpu_norm_sums=compressor.has_exchange or not in_buckets or compressor.tpu_norm_sums_in_buckets,
     )
 
     def init_fn(params):

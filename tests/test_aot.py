@@ -344,6 +344,25 @@ def test_powersgd_reads_the_leaves_where_they_lie_on_tpu():
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("codec,bucket_mb", [("bf16", None), ("sign", 4)])
+def test_residual_norm_is_taken_where_the_residual_is_written_on_tpu(codec, bucket_mb):
+    """On TPU the residual-norm metric costs no pass of its own where compressed_mean
+    takes the norm XLA computes with the residual's write (the three-sum norm for a whole
+    step, and for sign's residuals in buckets): v5e, the MLP's bf16 step 1.87x the exact
+    step's traffic (2.42x with l2_norm), sign in 4 MB buckets 1.89x (2.65x)."""
+    target = "v5e:2x4"
+    mesh = aot.target_mesh(target)
+    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    c = cj.cast(jnp.bfloat16) if codec == "bf16" else cj.sign()
+    bucket = None if bucket_mb is None else bucket_mb * 2 ** 20
+    rep = {name: aot.analyze(aot.compile_update(optax.chain(mean, optax.sgd(0.1)), params, mesh), target)
+           for name, mean in (("exact", cj.compressed_mean(cj.identity(), "data")),
+                              (codec, cj.compressed_mean(c, "data", bucket_bytes=bucket)))}
+    assert rep[codec]["traffic"] <= 2.1 * rep["exact"]["traffic"], rep
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 def test_top_k_step_scratch_on_h100():
     """Issue 27: the compiled top-k 1% step on an H100 needs at most half a gradient of
     scratch beyond the exact step's and at most 2.5x its HBM traffic: no sort or copy of

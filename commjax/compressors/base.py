@@ -88,6 +88,12 @@ class Compressor:
     # Whether payload_metrics() gives them from what was sent (compressed_mean then reads
     # them there, not from the joined input).
     metrics_from_payload: ClassVar[bool] = False
+    # In a bucket of a bucketed step (bucket_bytes) on TPU, the residual-norm metric from
+    # three plain sums (guards._banded_norm) instead of guards.l2_norm: which of the two
+    # XLA computes in the pass that writes the residual depends on the codec's encode, so
+    # it is measured per codec (benchmarks/aot.py, 4 MB buckets). One bucket and
+    # exchanges (PowerSGD) always take the sums.
+    tpu_norm_sums_in_buckets: ClassVar[bool] = False
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         """Whether a leaf of this shape is worth compressing (else: the exact bucket)."""

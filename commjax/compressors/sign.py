@@ -29,6 +29,8 @@ class Sign(BlockCompressor):
     block_size: int = 256
     kernels: Optional[str] = dataclasses.field(default=None, kw_only=True)
     name: ClassVar[str] = "sign"
+    # v5e, 4 MB buckets: MLP 1,023 -> 728 MB, GPT-2-small 5,055 -> 4,539 MB of HBM traffic.
+    tpu_norm_sums_in_buckets: ClassVar[bool] = True
 
     @property
     def block(self) -> int:
