@@ -364,7 +364,9 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
     res_ravel = _flat_order(cfg)[0]
     exchange = exchange_for(cfg.compressor)
     parts = [_pad(ravel(leaves[i].astype(jnp.float32)), s) for i, s in zip(comp_idx, segs)]
-    zero_bad = plan.finite_flags and not cfg.compressor.leaf_local
+    apart = (cfg.compressor.leaf_local if plan.reducer_impl is None
+             else plan.reducer_impl.keeps_leaves_apart(cfg.compressor))
+    zero_bad = plan.finite_flags and not apart
     ok = list(exact.local_ok)
     if exact.bucket is not None and cfg.axis_name is not None:
         # Sequence the exact all-reduce before the compressed collectives: XLA may start

@@ -405,6 +405,25 @@ def test_density_counts_the_entries_each_replica_sent(mesh, reducer):
     np.testing.assert_allclose(np.asarray(states[0].metrics["density"]).reshape(N), sent / res.shape[1], rtol=1e-6)
 
 
+@pytest.mark.parametrize("reducer,scope", [("allgather", "leaf"), ("allgather", "model"), ("two_phase", "leaf")])
+def test_a_non_finite_leaf_leaves_the_others_means_as_a_zero_leaf_would(mesh, reducer, scope):
+    """-inf in one replica's ``b``: ``b``'s mean is NaN on every replica, and ``a``'s is what
+    it is when that replica's ``b`` is zero. With per-leaf selection through the all-gather
+    it is encoded as it is (each leaf selects on its own, ``TopK.leaf_local``); where a
+    selection spans leaves (``scope="model"``, the two-phase reducer's destination chunks)
+    it is zeroed first, else its infinities would take the others' places."""
+    rng = np.random.default_rng(5)
+    grads = {"a": jnp.asarray(rng.standard_normal((N, 40, 50)), jnp.float32),
+             "b": jnp.asarray(rng.standard_normal((N, 10, 30)) * 100, jnp.float32)}
+    tx = compressed_mean(top_k(0.05, scope=scope), "data", reducer=reducer, min_compress_size=16)
+    bad = dict(grads, b=grads["b"].at[2, 3, 4].set(-jnp.inf))
+    zero = dict(grads, b=grads["b"].at[2].set(0.0))
+    (out_bad,), _ = _run(tx, mesh, bad, 1)
+    (out_zero,), _ = _run(tx, mesh, zero, 1)
+    assert np.all(np.isnan(np.asarray(out_bad["b"])))
+    np.testing.assert_array_equal(np.asarray(out_bad["a"]), np.asarray(out_zero["a"]))
+
+
 @pytest.mark.parametrize("comp", [top_k(0.02, chunk_size=256, values_dtype=jnp.bfloat16), threshold(1.5, 40)],
                          ids=["topk_chunk_bf16", "threshold"])
 def test_allgather_mean_is_sum_of_replicas_sparse_payloads(mesh, comp):

@@ -83,6 +83,12 @@ class Reducer:
         all receive, and the transform sends no flags of its own."""
         return False
 
+    def keeps_leaves_apart(self, codec: Compressor) -> bool:
+        """Whether a non-finite leaf leaves what the other leaves send untouched: a
+        ``leaf_local`` codec's payloads, each leaf encoded on its own. Otherwise the
+        transform zeroes a flagged leaf before encoding."""
+        return codec.leaf_local
+
 
 def _local_parts(codec, parts, segments, residuals, key):
     """Encode every part (with feedback when ``residuals``): ``(words, locals_or_res)``."""
@@ -342,6 +348,11 @@ class TwoPhase(Reducer):
         # A non-finite block decodes to non-finite values on its owner, whose sum then
         # encodes to a non-finite scale in the all-gathered words.
         return isinstance(codec, BlockCompressor) and tells_finite(self._server(codec))
+
+    def keeps_leaves_apart(self, codec):
+        # A sparse codec selects within destination chunks of the joined bucket, which
+        # span leaves (``_sparse_rows``); block codecs send whole blocks of one leaf.
+        return codec.leaf_local and isinstance(codec, BlockCompressor)
 
     def reduce(self, codec, parts, segments, *, axis_name, num_replicas, key, residuals=None,
                server_residual=None, server_error_feedback=True, keep=None):

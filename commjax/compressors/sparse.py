@@ -388,6 +388,11 @@ class TopK(_SparseDecode, Compressor):
     metrics_from_payload: ClassVar[bool] = True
 
     @property
+    def leaf_local(self) -> bool:
+        """Each leaf its own selection domains with ``scope="leaf"`` (``groups``)."""
+        return self.scope == "leaf"
+
+    @property
     def values_dtype(self) -> Any:
         return _VALUE_DTYPES[self.values_dtype_name]
 
