@@ -243,7 +243,8 @@ def _gather_with_fallback(codec, parts, segments, axis_name, num_replicas, key, 
 def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residuals, server_residual,
                   keep=None):
     """All-gather reducer of a codec that is not a block codec: each replica's payload of
-    the whole bucket, decoded and summed into one bucket-size vector.
+    the whole bucket, decoded and summed into one bucket-size vector (top-k per leaf: a
+    vector per leaf, ``TopK.decode_sum_leaves``).
 
     With ``keep`` (and residuals) the new residuals are final before the exchange: the
     old one on a flagged segment. An optimization barrier then puts them ahead of the
@@ -266,9 +267,11 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
         words, outs = lax.optimization_barrier((words, outs))
     got = gather_words(words, axis_name, num_replicas, tiled=False)
     n = sum(s.padded_size for s in segments)
-    mean = codec.decode_sum(got, n, segments, divide=num_replicas)
-    return PartsResult(flat_bucket.cut(mean, segments), outs, _empty(server_residual), kept=kept,
-                       sent=[(words, n, segments)])
+    if isinstance(codec, TopK) and codec.scope == "leaf":  # no bucket-size sum to cut
+        means = codec.decode_sum_leaves(got, segments, divide=num_replicas)
+    else:
+        means = flat_bucket.cut(codec.decode_sum(got, n, segments, divide=num_replicas), segments)
+    return PartsResult(means, outs, _empty(server_residual), kept=kept, sent=[(words, n, segments)])
 
 
 def _encode_segmentwise(codec, parts, segments, residuals, key, keep=None):

@@ -457,7 +457,13 @@ class TopK(_SparseDecode, Compressor):
         return jnp.concatenate(parts)
 
     def entries(self, payload, n, segments=None):
-        pos, val = [], []
+        got = [(jnp.where(p < g.size, p + g.offset, n), v) for g, p, v in self._group_entries(payload, n, segments)]
+        return _entries([p for p, _ in got], [v for _, v in got])
+
+    def _group_entries(self, payload, n, segments):
+        """Per selection domain ``g``: ``(g, positions, values)`` of its entries, the
+        positions inside the domain (a short last chunk's padding slots at ``g.size`` or
+        past it)."""
         w = 0
         for g in self.groups(n, segments):
             c = g.chunks * g.k
@@ -469,12 +475,26 @@ class TopK(_SparseDecode, Compressor):
             else:
                 idx = _unpack_u16(payload[w:w + iw], c).astype(jnp.int32)
             w += iw
-            base = g.offset + g.chunk * jnp.arange(g.chunks, dtype=jnp.int32)
-            p = (idx.reshape(g.chunks, g.k) + base[:, None]).reshape(-1)
-            # Padding slots of a short last chunk point past the group: send them nowhere.
-            pos.append(jnp.where(p < g.offset + g.size, p, n))
-            val.append(vals)
-        return _entries(pos, val)
+            base = g.chunk * jnp.arange(g.chunks, dtype=jnp.int32)
+            yield g, (idx.reshape(g.chunks, g.k) + base[:, None]).reshape(-1), vals
+
+    def decode_sum_leaves(self, payloads, segments, *, divide=1):
+        """``cut(decode_sum(payloads, n, segments, divide=divide), segments)`` for
+        ``scope="leaf"``, each segment's sum scatter-added into a buffer of its own: the
+        same values bit for bit (the same additions in replica order), without a
+        bucket-size sum cut into copies of its leaves."""
+        if self.scope != "leaf":
+            raise ValueError(f"decode_sum_leaves needs scope='leaf', not {self.scope!r}")
+        n = sum(s.padded_size for s in segments)
+        zero, payloads = lax.optimization_barrier((jnp.zeros((), jnp.float32), payloads))
+        totals = [jnp.full((s.size,), zero) for s in segments]
+        of_group = {s.offset: i for i, s in enumerate(segments) if s.size > 0}  # as ``groups``
+        for r in range(payloads.shape[0]):
+            for g, pos, val in self._group_entries(payloads[r], n, segments):
+                # Padding slots (at or past g.size) are dropped by the scatter.
+                i = of_group[g.offset]
+                totals[i] = _add_entries(totals[i], pos, val if divide == 1 else val / divide)
+        return totals
 
     def local_metrics(self, x, segments):
         """``density``: fraction of the bucket's entries sent as non-zeros this step,
