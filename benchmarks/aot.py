@@ -413,7 +413,8 @@ def _updated(old: dict, rows: list, command: str) -> dict:
         r.setdefault("commit", old.get("commit"))
     _ratios(merged)
     keep = {k: v for k, v in old.items() if k not in ("command", "commit", "date", "machine", "rows")}
-    keep["updates"] = list(old.get("updates", [])) + [command]
+    # A command run again moves to the end: listed once, where its rows were measured.
+    keep["updates"] = [c for c in old.get("updates", []) if c != command] + [command]
     return keep | {"rows": merged}
 
 

@@ -506,3 +506,5 @@ def test_update_replaces_the_named_rows_and_keeps_the_others():
     assert got["rows"][1]["temp_over_exact_in_grads"] == pytest.approx(0.2)
     assert got["updates"] == [update] and not {"command", "commit", "date", "machine"} & set(got)
     assert bench._updated(got, [], "again")["updates"] == [update, "again"]
+    again = bench._updated(got, [], "again")
+    assert bench._updated(again, [], update)["updates"] == ["again", update]  # listed once, last
