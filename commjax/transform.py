@@ -111,9 +111,8 @@ class ExchangeConfig:
     check_finite: bool
     num_replicas: Optional[int]
     seed: int
-    #: On TPU, the residual-norm metric from ``guards._banded_norm``'s three plain sums
-    #: (else ``guards.l2_norm``): see ``guards.l2_norm_near`` for which one XLA fuses where.
-    tpu_norm_sums: bool = True
+    #: One of several buckets of a step (``compressed_mean(bucket_bytes=...)``).
+    in_buckets: bool = False
 
     def plan(self, leaves, num_replicas: int) -> MeanPlan:
         return make_plan(
@@ -121,6 +120,14 @@ class ExchangeConfig:
             min_compress_size=self.min_compress_size, compress_vectors=self.compress_vectors,
             check_finite=self.check_finite,
         )
+
+    @property
+    def tpu_norm_sums(self) -> bool:
+        """On TPU, the residual-norm metric from ``guards._banded_norm``'s three plain sums
+        (else ``guards.l2_norm``): for a whole step, for exchanges, and in buckets for the
+        codecs that declare it (see ``guards.l2_norm_near`` for which one XLA fuses where)."""
+        c = self.compressor
+        return not self.in_buckets or c.has_exchange or c.tpu_norm_sums_in_buckets
 
     @property
     def feedback(self) -> bool:
@@ -685,19 +692,16 @@ def compressed_mean(
                    compress_vectors=compress_vectors, server_error_feedback=server_error_feedback,
                    check_finite=check_finite, seed=seed, min_compress_size=min_compress_size,
                    residual_dtype=residual_dtype, num_replicas=num_replicas)
+    options = dict(inner_axis_name=inner_axis_name, error_feedback=error_feedback, reducer=reducer,
+                   min_compress_size=min_compress_size, compress_vectors=compress_vectors,
+                   residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
+                   check_finite=check_finite, num_replicas=num_replicas)
     if bucket_bytes is not None:
         validation.check_positive_int("bucket_bytes", bucket_bytes, factory="compressed_mean")
-        options = dict(inner_axis_name=inner_axis_name, error_feedback=error_feedback, reducer=reducer,
-                       min_compress_size=min_compress_size, compress_vectors=compress_vectors,
-                       residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
-                       check_finite=check_finite, num_replicas=num_replicas)
         return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
                         int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
                         split=not compressor.has_exchange)
-    return _one_bucket(compressor, axis_name, inner_axis_name=inner_axis_name, error_feedback=error_feedback,
-                       reducer=reducer, min_compress_size=min_compress_size, compress_vectors=compress_vectors,
-                       residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
-                       check_finite=check_finite, num_replicas=num_replicas, seed=seed, in_buckets=False)
+    return _one_bucket(compressor, axis_name, seed=seed, in_buckets=False, **options)
 
 
 def _one_bucket(compressor: Compressor, axis_name: Any, *, inner_axis_name, error_feedback, reducer,
@@ -712,8 +716,7 @@ def _one_bucket(compressor: Compressor, axis_name: Any, *, inner_axis_name, erro
         error_feedback=bool(error_feedback), reducer=reducer, min_compress_size=min_compress_size,
         compress_vectors=bool(compress_vectors), residual_dtype=jnp.dtype(residual_dtype),
         server_error_feedback=bool(server_error_feedback), check_finite=bool(check_finite),
-        num_replicas=num_replicas, seed=int(seed),
-        tpu_norm_sums=compressor.has_exchange or not in_buckets or compressor.tpu_norm_sums_in_buckets,
+        num_replicas=num_replicas, seed=int(seed), in_buckets=bool(in_buckets),
     )
 
     def init_fn(params):

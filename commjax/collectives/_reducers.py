@@ -250,7 +250,8 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
     old one on a flagged segment. An optimization barrier then puts them ahead of the
     all-gather, so that what they are made from (``y = part + residual``, a top-k
     selection's scratch) is freed before the bucket-size sum is allocated."""
-    if isinstance(codec, TopK) and codec.scope == "leaf":
+    per_leaf = isinstance(codec, TopK) and codec.leaf_local
+    if per_leaf:
         words, outs = _encode_segmentwise(codec, parts, segments, residuals, key, keep)
     else:
         # The selection spans leaves: encode the joined bucket.
@@ -267,7 +268,7 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
         words, outs = lax.optimization_barrier((words, outs))
     got = gather_words(words, axis_name, num_replicas, tiled=False)
     n = sum(s.padded_size for s in segments)
-    if isinstance(codec, TopK) and codec.scope == "leaf":  # no bucket-size sum to cut
+    if per_leaf:  # no bucket-size sum to cut
         means = codec.decode_sum_leaves(got, segments, divide=num_replicas)
     else:
         means = flat_bucket.cut(codec.decode_sum(got, n, segments, divide=num_replicas), segments)

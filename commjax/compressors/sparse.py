@@ -168,6 +168,20 @@ def _add_entries(out: jax.Array, pos: jax.Array, val: jax.Array) -> jax.Array:
     return out.at[pos].add(val, mode="drop")
 
 
+def _replica_sums(payloads: jax.Array, sizes: list, entries: Any, divide: int) -> list:
+    """Buffers of ``sizes`` holding ``sum_r`` of replica ``r``'s entries, ``entries(payloads[r])``
+    a list of ``(buffer, positions, values)``, scatter-added in replica order (values
+    divided by ``divide``). The buffers are filled only once the payloads are here (a zero
+    fill depends on nothing, and XLA may otherwise schedule it before the selection, whose
+    scratch then adds to it)."""
+    zero, payloads = lax.optimization_barrier((jnp.zeros((), jnp.float32), payloads))
+    totals = [jnp.full((size,), zero) for size in sizes]
+    for r in range(payloads.shape[0]):
+        for i, pos, val in entries(payloads[r]):
+            totals[i] = _add_entries(totals[i], pos, val if divide == 1 else val / divide)
+    return totals
+
+
 class _SparseDecode:
     """Decoding of a payload of ``(position, value)`` entries (``entries``)."""
 
@@ -203,15 +217,8 @@ class _SparseDecode:
         for bit (the sum never holds ``-0``,
         so adding zero where a replica sent nothing changes no bit), but with each
         replica's entries scatter-added into one buffer: ``n + N k`` values written
-        instead of ``N n``. The sum's buffer is filled only once the payloads are here (a
-        zero fill depends on nothing, and XLA may otherwise schedule it before the
-        selection, whose scratch then adds to it)."""
-        zero, payloads = lax.optimization_barrier((jnp.zeros((), jnp.float32), payloads))
-        total = jnp.full((n,), zero)
-        for r in range(payloads.shape[0]):
-            pos, val = self.entries(payloads[r], n, segments)
-            total = _add_entries(total, pos, val if divide == 1 else val / divide)
-        return total
+        instead of ``N n`` (``_replica_sums``)."""
+        return _replica_sums(payloads, [n], lambda w: [(0, *self.entries(w, n, segments))], divide)[0]
 
 #: Row width of the two-stage exact top-k.
 _ROW = 1024
@@ -486,15 +493,11 @@ class TopK(_SparseDecode, Compressor):
         if self.scope != "leaf":
             raise ValueError(f"decode_sum_leaves needs scope='leaf', not {self.scope!r}")
         n = sum(s.padded_size for s in segments)
-        zero, payloads = lax.optimization_barrier((jnp.zeros((), jnp.float32), payloads))
-        totals = [jnp.full((s.size,), zero) for s in segments]
         of_group = {s.offset: i for i, s in enumerate(segments) if s.size > 0}  # as ``groups``
-        for r in range(payloads.shape[0]):
-            for g, pos, val in self._group_entries(payloads[r], n, segments):
-                # Padding slots (at or past g.size) are dropped by the scatter.
-                i = of_group[g.offset]
-                totals[i] = _add_entries(totals[i], pos, val if divide == 1 else val / divide)
-        return totals
+        # Padding slots (at or past a group's size) are dropped by the scatter.
+        return _replica_sums(payloads, [s.size for s in segments],
+                             lambda w: [(of_group[g.offset], p, v) for g, p, v in self._group_entries(w, n, segments)],
+                             divide)
 
     def local_metrics(self, x, segments):
         """``density``: fraction of the bucket's entries sent as non-zeros this step,
