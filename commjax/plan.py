@@ -15,8 +15,8 @@ and dtypes, the compressor, the options and the number of replicas, so it is com
 trace time:
 
 * integer and boolean leaves pass through untouched;
-* floating leaves with fewer than ``min_compress_size`` elements, or with fewer than
-  two dimensions (biases, norms) unless ``compress_vectors=True``, are averaged exactly,
+* floating scalars, leaves with fewer than ``min_compress_size`` elements, and leaves
+  with one dimension (biases, norms) unless ``compress_vectors=True``, are averaged exactly,
   all together, in one fp32 all-reduce (the *exact bucket*);
 * the other floating leaves are flattened, each padded to the compressor's alignment (so
   no block mixes two leaves), and laid out back to back as one flat *compressed bucket*
@@ -116,7 +116,8 @@ def route_leaf(
     if not jnp.issubdtype(dtype, jnp.floating):
         return PASS
     size = int(np.prod(shape)) if len(shape) else 1
-    if size < min_compress_size or (len(shape) < 2 and not compress_vectors):
+    # A scalar always: its per-replica residual would have no axis to lay replicas along.
+    if not len(shape) or size < min_compress_size or (len(shape) < 2 and not compress_vectors):
         return EXACT
     if compressor is not None and not compressor.accepts(tuple(shape)):
         return EXACT

@@ -646,7 +646,8 @@ def compressed_mean(
         [`commjax.ef21.EF21State`][], same bytes).
       reducer: ``"auto"`` (cheapest valid), ``"allreduce"`` (linear payloads only),
         ``"allgather"`` or ``"two_phase"``.
-      min_compress_size: floating leaves with fewer elements go to the exact bucket.
+      min_compress_size: floating leaves with fewer elements go to the exact bucket (so
+        do floating scalars, whatever this is).
       compress_vectors: also compress 1-D leaves of at least ``min_compress_size``.
       residual_dtype: ``jnp.float32`` (default) or ``jnp.bfloat16`` to halve its memory.
       server_error_feedback: the two-phase reducer's second residual (default True).

@@ -205,6 +205,29 @@ def test_integer_leaves_pass_through_and_small_leaves_are_exact():
     assert not np.allclose(out["w"][0], g["w"].mean(0), atol=1e-3)  # compressed
 
 
+
+@pytest.mark.parametrize("codec", [cj.sign(), cj.top_k(0.5), cj.quantize(8), cj.fp8("e4m3")],
+                         ids=lambda c: c.name)
+def test_a_scalar_leaf_is_averaged_exactly_whatever_the_size_options(codec):
+    # min_compress_size=1 with compress_vectors would otherwise send a scalar through the
+    # codec, whose per-replica residual has no axis to lay the replicas along.
+    mesh = _compat.make_mesh((8,), ("data",))
+    tx = cj.compressed_mean(codec, "data", min_compress_size=1, compress_vectors=True)
+    params = {"w": jnp.zeros((8, 128)), "s": jnp.zeros(())}
+    plan = cj.communication_plan(tx, params, 8)
+    assert plan.routing.routes == ("exact", "compress")  # leaves in key order: s, w
+    state = cj.init_sharded(tx, params, mesh, "data")
+    specs = cj.state_specs(state, "data")
+    g = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 8, 128)),
+         "s": jnp.arange(8, dtype=jnp.float32) * 1e30}
+
+    def f(g, s):
+        out, s = tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s)
+        return jax.tree_util.tree_map(lambda a: a[None], out), s
+
+    out, _ = jax.jit(_compat.shard_map(f, mesh=mesh, in_specs=(P("data"), specs),
+                                       out_specs=(P("data"), specs)))(*ready(g, state))
+    np.testing.assert_allclose(np.asarray(out["s"]), np.full(8, 3.5e30), rtol=1e-6)
 def test_apply_if_finite_skips_poisoned_step():
     mesh = _compat.make_mesh((8,), ("data",))
     # apply_if_finite goes *after* compressed_mean: it then sees the shared (NaN) mean and
