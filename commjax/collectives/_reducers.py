@@ -18,7 +18,7 @@ from commjax.compressors.sparse import TopK
 from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _encode_rows_feedback, _fallback_cond, _flag_bytes, _overflow_anywhere, _round_up,
-    decode_rows, decode_sum, encode_rows, gather_words, gathered_bytes,
+    decode_rows, decode_sum, encode_rows, gather_rows, gather_words, gathered_bytes, rows_bytes,
 )
 
 
@@ -179,6 +179,8 @@ class AllGather(Reducer):
 
     def bytes(self, codec, n, num_replicas, segments=None):
         m = self.padded_length(codec, n, num_replicas)
+        if not isinstance(codec, BlockCompressor):  # ``_gather_whole``
+            return rows_bytes(codec.payload_bytes(m, segments), num_replicas)
         return gathered_bytes(codec.payload_bytes(m, segments), num_replicas)
 
     def reports_finite(self, codec):
@@ -266,7 +268,7 @@ def _gather_whole(codec, parts, segments, axis_name, num_replicas, key, residual
     kept = keep is not None and residuals is not None
     if kept:
         words, outs = lax.optimization_barrier((words, outs))
-    got = gather_words(words, axis_name, num_replicas, tiled=False)
+    got = gather_rows(words, axis_name, num_replicas)
     n = sum(s.padded_size for s in segments)
     if per_leaf:  # no bucket-size sum to cut
         means = codec.decode_sum_leaves(got, segments, divide=num_replicas)

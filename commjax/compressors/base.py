@@ -172,8 +172,8 @@ class Compressor:
         where the sum could not be. Codecs with a fused unpack + dequantize + sum kernel
         override it (and fold ``divide`` into each block's step)."""
         total = jnp.zeros((n,), jnp.float32)
-        for r in range(payloads.shape[0]):
-            value = self.decode(payloads[r], n, segments)
+        for payload in payloads:
+            value = self.decode(payload, n, segments)
             total = total + (value if divide == 1 else value / divide)
         return total
 

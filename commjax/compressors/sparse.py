@@ -176,8 +176,8 @@ def _replica_sums(payloads: jax.Array, sizes: list, entries: Any, divide: int) -
     scratch then adds to it)."""
     zero, payloads = lax.optimization_barrier((jnp.zeros((), jnp.float32), payloads))
     totals = [jnp.full((size,), zero) for size in sizes]
-    for r in range(payloads.shape[0]):
-        for i, pos, val in entries(payloads[r]):
+    for payload in payloads:
+        for i, pos, val in entries(payload):
             totals[i] = _add_entries(totals[i], pos, val if divide == 1 else val / divide)
     return totals
 
