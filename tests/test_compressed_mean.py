@@ -205,7 +205,6 @@ def test_integer_leaves_pass_through_and_small_leaves_are_exact():
     assert not np.allclose(out["w"][0], g["w"].mean(0), atol=1e-3)  # compressed
 
 
-
 @pytest.mark.parametrize("codec", [cj.sign(), cj.top_k(0.5), cj.quantize(8), cj.fp8("e4m3")],
                          ids=lambda c: c.name)
 def test_a_scalar_leaf_is_averaged_exactly_whatever_the_size_options(codec):
@@ -228,6 +227,8 @@ def test_a_scalar_leaf_is_averaged_exactly_whatever_the_size_options(codec):
     out, _ = jax.jit(_compat.shard_map(f, mesh=mesh, in_specs=(P("data"), specs),
                                        out_specs=(P("data"), specs)))(*ready(g, state))
     np.testing.assert_allclose(np.asarray(out["s"]), np.full(8, 3.5e30), rtol=1e-6)
+
+
 def test_apply_if_finite_skips_poisoned_step():
     mesh = _compat.make_mesh((8,), ("data",))
     # apply_if_finite goes *after* compressed_mean: it then sees the shared (NaN) mean and

@@ -166,7 +166,8 @@ class Compressor:
         *, divide: int = 1,
     ) -> jax.Array:
         """``sum_r decode(payloads[r], n) / divide`` over the leading (replica) axis of
-        ``uint32[N, payload_words(n)]``, in replica order from fp32 zeros: every replica
+        ``uint32[N, payload_words(n)]`` (or over ``N`` rows of at least that many words,
+        as ``gather_rows`` gives them), in replica order from fp32 zeros: every replica
         that holds the same payloads computes the same bits. Each decoded value is divided
         *before* it is added, so a mean (``divide = N``) that fp32 can hold is returned even
         where the sum could not be. Codecs with a fused unpack + dequantize + sum kernel

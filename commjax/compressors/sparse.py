@@ -168,9 +168,10 @@ def _add_entries(out: jax.Array, pos: jax.Array, val: jax.Array) -> jax.Array:
     return out.at[pos].add(val, mode="drop")
 
 
-def _replica_sums(payloads: jax.Array, sizes: list, entries: Any, divide: int) -> list:
+def _replica_sums(payloads: Any, sizes: list, entries: Any, divide: int) -> list:
     """Buffers of ``sizes`` holding ``sum_r`` of replica ``r``'s entries, ``entries(payloads[r])``
-    a list of ``(buffer, positions, values)``, scatter-added in replica order (values
+    a list of ``(buffer, positions, values)`` (``payloads`` an ``[N, W]`` array or ``N``
+    rows; words past a payload are not read), scatter-added in replica order (values
     divided by ``divide``). The buffers are filled only once the payloads are here (a zero
     fill depends on nothing, and XLA may otherwise schedule it before the selection, whose
     scratch then adds to it)."""
