@@ -115,9 +115,10 @@ def route_leaf(
         return EXACT if jnp.issubdtype(dtype, jnp.inexact) else PASS
     if not jnp.issubdtype(dtype, jnp.floating):
         return PASS
-    size = int(np.prod(shape)) if len(shape) else 1
-    # A scalar always: its per-replica residual would have no axis to lay replicas along.
-    if not len(shape) or size < min_compress_size or (len(shape) < 2 and not compress_vectors):
+    if not len(shape):  # a scalar's per-replica residual would have no axis to lay replicas along
+        return EXACT
+    size = int(np.prod(shape))
+    if size < min_compress_size or (len(shape) < 2 and not compress_vectors):
         return EXACT
     if compressor is not None and not compressor.accepts(tuple(shape)):
         return EXACT

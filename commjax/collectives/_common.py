@@ -90,11 +90,6 @@ def gather_rows(words: jax.Array, axis_name: Any, num_replicas: int) -> tuple[ja
     return tuple(flat[r * wp:(r + 1) * wp] for r in range(num_replicas))
 
 
-def rows_bytes(payload_bytes: float, num_replicas: int) -> float:
-    """Ring bytes per device of ``gather_rows`` on a row of ``payload_bytes``."""
-    return ring_bytes("all-gather", 4 * row_width(-(-int(payload_bytes) // 4)), num_replicas)
-
-
 def flat_columns(rows: jax.Array, start: int, stop: int) -> jax.Array:
     """``rows[:, start:stop].reshape(-1)``: columns of gathered ``[N, W]`` rows, one row
     after the other. The same values on every backend. On a CPU every fused consumer of
@@ -107,9 +102,11 @@ def flat_columns(rows: jax.Array, start: int, stop: int) -> jax.Array:
                                   default=lambda c: c.reshape(-1))
 
 
-def gathered_bytes(payload_bytes: float, num_replicas: int) -> float:
-    """Ring bytes per device of ``gather_words`` on a row of ``payload_bytes``."""
-    width = gathered_width(-(-int(payload_bytes) // 4), num_replicas)
+def gathered_bytes(payload_bytes: float, num_replicas: int, *, rows: bool = False) -> float:
+    """Ring bytes per device of ``gather_words`` (``gather_rows`` with ``rows``) on a row
+    of ``payload_bytes``."""
+    words = -(-int(payload_bytes) // 4)
+    width = row_width(words) if rows else gathered_width(words, num_replicas)
     return ring_bytes("all-gather", 4 * width, num_replicas)
 
 

@@ -18,7 +18,7 @@ from commjax.compressors.sparse import TopK
 from commjax.collectives._exact import prescale, unscale_mean
 from commjax.collectives._common import (
     _encode_rows_feedback, _fallback_cond, _flag_bytes, _overflow_anywhere, _round_up,
-    decode_rows, decode_sum, encode_rows, gather_rows, gather_words, gathered_bytes, rows_bytes,
+    decode_rows, decode_sum, encode_rows, gather_rows, gather_words, gathered_bytes,
 )
 
 
@@ -179,9 +179,9 @@ class AllGather(Reducer):
 
     def bytes(self, codec, n, num_replicas, segments=None):
         m = self.padded_length(codec, n, num_replicas)
-        if not isinstance(codec, BlockCompressor):  # ``_gather_whole``
-            return rows_bytes(codec.payload_bytes(m, segments), num_replicas)
-        return gathered_bytes(codec.payload_bytes(m, segments), num_replicas)
+        # Other codecs go through ``_gather_whole``, which keeps the rows padded.
+        return gathered_bytes(codec.payload_bytes(m, segments), num_replicas,
+                              rows=not isinstance(codec, BlockCompressor))
 
     def reports_finite(self, codec):
         return tells_finite(codec)
