@@ -130,19 +130,6 @@ class ExchangeConfig:
         return not self.in_buckets or c.has_exchange or c.tpu_norm_sums_in_buckets
 
     @property
-    def keep_by_conditional(self) -> bool:
-        """A flagged step's old residual is kept by a conditional, read only on such a
-        step, rather than by a select, which reads it on every step: for an exchange
-        (PowerSGD's residual ``M - P Q^T`` is formed after the exchange, from ``M`` the
-        compiler may keep on chip) over a whole step. On a v5e the select cost PowerSGD
-        1.31x the exact step's traffic on the 21M MLP (1.26x with the conditional) and
-        1.52x on GPT-2 small (1.37x); in 4 MB buckets the conditional saved nothing on the
-        MLP and held the old residual beside the new one (+0.8 gradients of scratch), and
-        a block codec's residual comes out of its encode, where the select fuses (int8,
-        MLP: 1,073 MB with the select, 1,141 with the conditional)."""
-        return self.compressor.has_exchange and not self.in_buckets
-
-    @property
     def feedback(self) -> bool:
         """A worker residual is kept (a lossless codec's would always be zero)."""
         return self.error_feedback and not self.compressor.lossless
@@ -495,14 +482,6 @@ def _bad_flags(cfg, plan: MeanPlan, exact: _Exact, comp: Optional[_Compressed]) 
     return [jnp.logical_or(b, jnp.logical_not(f)) for b, f in zip(exact.global_bad, after)]
 
 
-def _kept_if(cfg: ExchangeConfig, bad: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
-    """The new residual, ``old`` where ``bad`` (replicated): by a conditional where
-    ``cfg.keep_by_conditional``, else by a select."""
-    if cfg.keep_by_conditional:
-        return lax.cond(bad, lambda: old, lambda: new.astype(old.dtype))
-    return jnp.where(bad, old, new).astype(cfg.residual_dtype)
-
-
 def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Compressed], means, bad):
     """Outputs in the leaves' shapes and dtypes, NaN on every replica for a flagged leaf,
     and the new residuals (the old ones kept on such a leaf)."""
@@ -524,8 +503,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     if comp is not None and comp.residuals:
         ravel, unravel = _flat_order(cfg)
         new_residual = tuple(unravel(
-            (_kept_if(cfg, bad[k], ravel(state.residual[k]), e) if cfg.check_finite and not comp.kept
-             else e.astype(cfg.residual_dtype)),
+            (jnp.where(bad[k], ravel(state.residual[k]), e) if cfg.check_finite and not comp.kept
+             else e).astype(cfg.residual_dtype),
             seg.shape) for k, (e, seg) in enumerate(zip(comp.residuals, plan.segments)))
     return out, new_residual
 
