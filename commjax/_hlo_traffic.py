@@ -167,9 +167,11 @@ def shape_bytes(shape: str, *, hbm_only: bool = True) -> float:
 
 @dataclasses.dataclass
 class Traffic:
-    """HBM bytes of one computation: ``straight`` (every step), ``branch_bytes`` (the largest
-    branch of each conditional) and the top-level operations as ``(bytes, opcode, name)``,
-    largest first."""
+    """HBM bytes of one computation: ``straight`` (every step: the straight-line operations
+    and, of each conditional, its cheapest branch, since one of its branches runs whatever
+    the predicate), ``branch_bytes`` (what each conditional's costliest branch costs beyond
+    its cheapest: some steps only) and the top-level operations as ``(bytes, opcode,
+    name)``, largest first (a conditional with its cheapest branch's bytes)."""
 
     straight: float
     branch_bytes: float
@@ -259,7 +261,9 @@ def _fused(ins: Instr) -> Optional[str]:
 
 def traffic(module: Module, comp: Optional[str] = None) -> Traffic:
     """``Traffic`` of computation ``comp`` (the entry by default), with the
-    computations its ``while`` loops and ``call`` instructions run added to ``straight``."""
+    computations its ``while`` loops and ``call`` instructions run added to ``straight``,
+    and its conditionals' cheapest branches (XLA may move work every step does into a
+    conditional's branches: counting none of them hid it)."""
     comp = comp or module.entry
     sizes = module.shapes(comp)
     straight = branches = 0.0
@@ -272,7 +276,11 @@ def traffic(module: Module, comp: Optional[str] = None) -> Traffic:
             continue
         if ins.opcode == "conditional":
             inner = [traffic(module, c) for c in _called(ins)]
-            branches += max((t.straight + t.branch_bytes for t in inner), default=0.0)
+            low = min((t.straight for t in inner), default=0.0)
+            straight += low
+            branches += max((t.straight + t.branch_bytes for t in inner), default=0.0) - low
+            if low:
+                ops.append((low, ins.opcode, ins.name))
             continue
         b = instr_bytes(module, ins, sizes)
         straight += b

@@ -9,7 +9,9 @@ run: its HLO with the target's layouts, tiles and schedule, its memory plan
 such a target and reads, per step and device:
 
 * ``traffic``: HBM bytes of every top-level operation, layout padding counted
-  (``commjax._hlo_traffic``); ``branch_bytes`` apart (conditionals: some steps only);
+  (``commjax._hlo_traffic``), each conditional's cheapest branch included (one branch
+  runs every step); ``branch_bytes``, what the costliest branches cost beyond it, apart
+  (some steps only);
 * ``ideal``: the one-pass ideal, every input read once, every output written once, and
   each collective's send buffer written once and its receive buffer read once (a
   perfectly fused encode, exchange, decode and optimizer);

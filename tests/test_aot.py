@@ -77,6 +77,55 @@ def test_traffic_counts_views_slices_and_async_pairs():
     assert t.straight == sum(by.values())
 
 
+_COND = """HloModule cond, is_scheduled=true
+
+%keep (p: (f32[1024], f32[1024])) -> f32[1024] {
+  %p = (f32[1024]{0}, f32[1024]{0}) parameter(0)
+  %old = f32[1024]{0} get-tuple-element(%p), index=0
+  ROOT %copy.1 = f32[1024]{0} copy(%old)
+}
+
+%step (q: (f32[1024], f32[1024])) -> f32[1024] {
+  %q = (f32[1024]{0}, f32[1024]{0}) parameter(0)
+  %m = f32[1024]{0} get-tuple-element(%q), index=0
+  %d = f32[1024]{0} get-tuple-element(%q), index=1
+  ROOT %sub.1 = f32[1024]{0} subtract(%m, %d)
+}
+
+%pass (r: f32[256]) -> f32[256] {
+  ROOT %r = f32[256]{0} parameter(0)
+}
+
+%zero (z: f32[256]) -> f32[256] {
+  %z = f32[256]{0} parameter(0)
+  ROOT %neg.1 = f32[256]{0} negate(%z)
+}
+
+ENTRY %main (i: s32[], a: f32[1024], b: f32[1024], c: f32[256]) -> (f32[1024], f32[256]) {
+  %i = s32[] parameter(0)
+  %a = f32[1024]{0} parameter(1)
+  %b = f32[1024]{0} parameter(2)
+  %c = f32[256]{0} parameter(3)
+  %t = (f32[1024]{0}, f32[1024]{0}) tuple(%a, %b)
+  %cond.1 = f32[1024]{0} conditional(%i, %t, %t), branch_computations={%step, %keep}
+  %cond.2 = f32[256]{0} conditional(%i, %c, %c), branch_computations={%pass, %zero}
+  ROOT %out = (f32[1024]{0}, f32[256]{0}) tuple(%cond.1, %cond.2)
+}
+"""
+
+
+def test_a_conditionals_cheapest_branch_counts_every_step():
+    """One branch of a conditional runs whatever the predicate: its cheapest branch is
+    every step's traffic, the rest of its costliest apart. (Counting no branch hid a
+    subtraction XLA had moved into the branch that runs on every step but a flagged one.)"""
+    t = hlo.traffic(hlo.parse(_COND))
+    # cond.1: both branches read 4 KB and write 4 KB, the subtraction one more 4 KB read;
+    # cond.2: a pass-through branch moves nothing, the other reads and writes 1 KB.
+    assert t.straight == 2 * 4096
+    assert t.branch_bytes == 4096 + 2 * 1024
+    assert [(b, op) for b, op, _ in t.ops] == [(2 * 4096, "conditional")]
+
+
 _BUCKET = """HloModule cut, is_scheduled=true
 
 %cut_leaf (p0: f32[1024], p1: f32[3072], p2: f32[64,32]) -> (f32[2048], f32[16,32]) {
