@@ -241,6 +241,9 @@ CHOCO = {  # name: (codec, gamma, targets); gamma the best of a sweep at seed 0 
     "choco_sign": (C("sign"), 0.5, {"x": 20.0, "gap": 0.02}),
     "choco_top_k": (C("top_k"), 0.15, {"x": 20.0, "gap": 0.02}),
     "choco_int4": (cj.quantize(4), 0.8, {"x": 6.0, "gap": 0.02}),
+    # Exact fp32 gossip (plain neighbourhood averaging): what decentralization alone costs
+    # against the exact all-reduce, the floor under every compressed gossip's gap.
+    "choco_exact": (None, 1.0, {}),
 }
 EF21 = {"ef21_sign": C("sign"), "ef21_top_k": C("top_k")}
 
@@ -299,7 +302,7 @@ def choco_config(name, args, corpus, held, cache) -> dict:
                    lambda: optax.chain(cj.compressed_mean(cj.identity(), "data"), sgd()),
                    lambda: cj.choco(sgd(), "data", codec=codec, gamma=gamma), targets, per_replica=True,
                    cache=cache, base_key="dp_sgd",
-                   what=f"cj.choco(sgd(momentum 0.9), codec={codec.name}, ring of 8, gamma={gamma}) "
+                   what=f"cj.choco(sgd(momentum 0.9), codec={getattr(codec, 'name', None)}, ring of 8, gamma={gamma}) "
                         "vs data-parallel SGD with the exact mean; held-out loss of the replicas' mean")
 
 
