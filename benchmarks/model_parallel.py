@@ -74,6 +74,11 @@ INT2 = cj.quantize(2, block_size=128, stochastic=True, midrise=True)
 # AQ-SGD +1.31% over seeds 0, 1, 2 against +1.81% for {-1, 0, +1} at 1.22 above (Hadamard
 # first: +1.40%).
 INT2_DELTA = cj.quantize(2, block_size=128, stochastic=False, clip_rms=1.49, midrise=True)
+# AQ-SGD's per-sample deltas clip at 1.75 RMS instead, the best of a sweep over seeds 0-2
+# (1.3: +1.54%, 1.49: +1.31%, 1.75: +1.00%, 2.0: +1.16%, 2.5: +1.68%): a delta block has
+# heavier tails than Gaussian data, whose MSE-optimal clip is 1.49. Its result file
+# carries seeds 3-7 too, which the sweep did not see.
+INT2_SAMPLE_DELTA = cj.quantize(2, block_size=128, stochastic=False, clip_rms=1.75, midrise=True)
 # The slot mode's reference as a running mean over the microbatches (delta_rate; at seed 0:
 # +15.8% at 0.02, +15.6% at 0.1, +16.1% at 0.3, +55.9% at 1: the previous microbatch).
 SLOT_RATE = 0.1
@@ -83,7 +88,7 @@ SLOT_RATE = 0.1
 SHARDED = {"pipeline_delta_int2_sample"}
 PIPELINE = {  # name: (codecs, targets: {what: value})
     "pipeline_h4_int8": (pl.Codecs(C("h4"), C("int8")), {"fwd_x": 7.0, "fwd_x_bf16": 3.5, "gap": 0.01}),
-    "pipeline_delta_int2_sample": (pl.Codecs(INT2_DELTA, delta="sample"), {"fwd_x": 14.0, "gap": 0.01}),
+    "pipeline_delta_int2_sample": (pl.Codecs(INT2_SAMPLE_DELTA, delta="sample"), {"fwd_x": 14.0, "gap": 0.01}),
     "pipeline_delta_int2_slot": (pl.Codecs(INT2_DELTA, delta="slot", delta_rate=SLOT_RATE),
                                  {"fwd_x": 14.0, "gap": 0.01}),
     "pipeline_int2_plain": (pl.Codecs(INT2), {}),
