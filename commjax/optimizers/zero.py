@@ -384,7 +384,7 @@ def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, st
         return lax.cond(first, lambda _: vary(inner.init(master_tree)), lambda t: vary(t), s)
 
     def chosen(s):
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), vary(inner.init(master_tree)), vary(s))
+        return guards.keep_if(first, vary(inner.init(master_tree)), vary(s))
 
     inner_state = lax.platform_dependent(old_inner, cpu=fresh, tpu=fresh, default=chosen)
     grads = jax.tree_util.tree_unflatten(treedef, g_shards)
