@@ -615,7 +615,8 @@ def test_grouped_top_k_is_lax_top_k(kind):
 def test_segmentwise_top_k_is_the_joined_encoding():
     """The all-gather reducer encodes top-k (per leaf) a leaf at a time: the same words as
     the joined bucket's payload and the same residuals, bit for bit; with a leaf flagged
-    to keep its residual, that leaf's old residual exactly and the others unchanged."""
+    to keep its residual, that leaf's old residual exactly (its part non-finite, as on a
+    flagged step), finite words, and the others unchanged."""
     shapes = [(37, 11), (300,), (3,), (0,), (2000,)]
     segs, off = _leaf_segments(shapes)
     rng = np.random.default_rng(6)
@@ -632,7 +633,10 @@ def test_segmentwise_top_k_is_the_joined_encoding():
             np.testing.assert_array_equal(np.asarray(o).view(np.uint32),
                                           np.asarray(res_ref[s.offset:s.offset + s.size]).view(np.uint32))
         keep[1] = jnp.asarray(True)
-        _, kept = _encode_segmentwise(codec, parts, segs, olds, None, keep)
+        bad = list(parts)
+        bad[1] = parts[1].at[3].set(jnp.nan).at[5].set(jnp.inf)
+        sent, kept = _encode_segmentwise(codec, bad, segs, olds, None, keep)
         np.testing.assert_array_equal(np.asarray(kept[1]).view(np.uint32), np.asarray(olds[1]).view(np.uint32))
+        assert np.all(np.isfinite(np.asarray(codec.decode(sent, sum(s.padded_size for s in segs), segs))))
         for i in (0, 2, 4):
             np.testing.assert_array_equal(np.asarray(kept[i]), np.asarray(outs[i]))

@@ -284,19 +284,23 @@ def _encode_segmentwise(codec, parts, segments, residuals, key, keep=None):
 
     With residuals, each new residual is ``y`` with the sent entries subtracted in place
     (``TopK.residual_from``); with ``keep`` the old residual where its segment is flagged,
-    selected before that subtraction (which then subtracts zeros), so that it is formed
-    in one leaf-size buffer."""
+    selected before the selection (which then picks from the old residual, and nothing is
+    subtracted): one leaf-size buffer is read by the selection and becomes the residual.
+    A flagged segment's mean is discarded (``_finish_leaves`` makes it NaN), so what it
+    sends does not matter; a select after the selection kept ``y`` and the selected copy
+    as two buffers (on a v5e the copy went out to HBM and back: 134 MB of the MLP's step)."""
     words, outs = [], []
     ys = _with_residuals(parts, segments, residuals)
     for k, (y, s) in enumerate(zip(ys, segments)):
         one = [Segment(0, s.size, s.padded_size, s.shape)]
+        flag = None if keep is None or residuals is None else keep[k]
+        if flag is not None:
+            y = jnp.where(flag, jnp.pad(residuals[k].astype(jnp.float32), (0, s.padded_size - s.size)), y)
         w = codec.encode(y, key, one)
         if residuals is None:
             out = codec.decode(w, y.shape[0], one)
         else:
-            old = None if keep is None else (
-                keep[k], jnp.pad(residuals[k].astype(jnp.float32), (0, s.padded_size - s.size)))
-            out = codec.residual_from(y, w, one, keep=old)
+            out = codec.residual_from(y, w, one, kept=flag)
         words.append(w)
         outs.append(out[:s.size])
     return jnp.concatenate(words), outs

@@ -200,16 +200,14 @@ class _SparseDecode:
         words = self.encode(y, key, segments)
         return words, self.residual_from(y, words, segments)
 
-    def residual_from(self, y, words, segments=None, *, keep=None):
+    def residual_from(self, y, words, segments=None, *, kept=None):
         """``y - decode(words)`` for the payload ``words`` of ``y``, the sent values
-        subtracted at their positions (see ``encode_residual``). ``keep=(flag, old)``:
-        ``old`` instead where ``flag`` (a scalar bool), selected before the scatter, which
-        then adds ``-0`` (no change to any value): the result is formed in one buffer."""
+        subtracted at their positions (see ``encode_residual``). ``kept`` (a scalar bool):
+        where true, ``y`` is a residual to keep as it is, and the scatter adds ``-0``
+        (no change to any value), so the result is formed in ``y``'s buffer either way."""
         pos, val = self.entries(words, y.shape[0], segments)
-        if keep is not None:
-            flag, old = keep
-            y = jnp.where(flag, old, y)
-            val = jnp.where(flag, 0.0, val)
+        if kept is not None:
+            val = jnp.where(kept, 0.0, val)
         return _add_entries(y, pos, -val)
 
     def decode_sum(self, payloads, n, segments=None, *, divide=1):
