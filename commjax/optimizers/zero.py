@@ -380,19 +380,21 @@ def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, st
     # select, which fuses into the inner update's reads: a conditional's pass-through
     # branch is a copy of the whole state there, every step (31.5 MB of the H100 MLP's
     # Adam step); on CPU and TPU the conditional, which passes it through for free.
+    def start():
+        return vary(inner.init(master_tree))
+
     def fresh(s):
-        return lax.cond(first, lambda _: vary(inner.init(master_tree)), lambda t: vary(t), s)
+        return lax.cond(first, lambda _: start(), vary, s)
 
     def chosen(s):
-        return guards.keep_if(first, vary(inner.init(master_tree)), vary(s))
+        return guards.keep_if(first, start(), vary(s))
 
     inner_state = lax.platform_dependent(old_inner, cpu=fresh, tpu=fresh, default=chosen)
     grads = jax.tree_util.tree_unflatten(treedef, g_shards)
     u, new_inner = inner.update(grads, inner_state, master_tree)
     new_master = [m + jnp.asarray(d, jnp.float32) for m, d in zip(master, jax.tree_util.tree_leaves(u))]
     if cfg.check_finite:
-        new_master = [jnp.where(bad, m, nm) for m, nm in zip(master, new_master)]
-        new_inner = jax.tree_util.tree_map(lambda o, nw: jnp.where(bad, o, nw), inner_state, new_inner)
+        new_master, new_inner = guards.keep_if(bad, (master, inner_state), (new_master, new_inner))
     return new_master, vary(new_inner)
 
 
