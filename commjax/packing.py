@@ -84,10 +84,19 @@ def pack_lane_rows(codes: jax.Array, bits: int, block_size: int) -> jax.Array:
     """``pack_codes`` of blocks of ``block_size`` (a multiple of 128) given as lane rows
     ``uint32[n / 128, 128]`` (each block ``block_size / 128`` consecutive rows):
     ``uint32[n / block_size, packed_words]``, the same words. Slice ``j`` of a block
-    (codes ``j W .. j W + W - 1``) is whole rows when ``W >= 128``, else part of one row."""
+    (codes ``j W .. j W + W - 1``) is whole rows when ``W >= 128``, else part of one row.
+
+    Slices of at least ``_SUM_MIN_WORDS`` words are shifted and summed over a major axis
+    of the block (``_pack_rows_summed``): XLA's TPU compiler fuses that reduction into the
+    loop that computes the codes, where it wrote the OR of ``k`` slices' codes out as one
+    uint32 per element first and packed them in a loop of their own (v5e, 21M-parameter
+    MLP: int8 1,073 -> 937 MB a step, int4 1,024 -> 835, fp8 1,207 -> 900). Sign's slices
+    of 8 words keep the ORs: as an axis, 8 is padded to 128 lanes (4,029 MB against 942)."""
     k, m = 32 // bits, block_size // 128
     w = block_size // k
     c3 = codes.astype(jnp.uint32).reshape(-1, m, 128) & jnp.uint32((1 << bits) - 1)
+    if w >= _SUM_MIN_WORDS:
+        return _pack_rows_summed(c3, bits, k, w)
     out = None
     for j in range(k):
         p = j * w
@@ -96,6 +105,26 @@ def pack_lane_rows(codes: jax.Array, bits: int, block_size: int) -> jax.Array:
         piece = piece << jnp.uint32(bits * j) if j else piece
         out = piece if out is None else out | piece
     return out
+
+
+#: Slices of a block's lane rows at least this many words wide are packed by a sum over
+#: a major axis (``pack_lane_rows``).
+_SUM_MIN_WORDS = 32
+
+
+def _pack_rows_summed(c3: jax.Array, bits: int, k: int, w: int) -> jax.Array:
+    """``pack_lane_rows`` of ``c3 = uint32[nb, m, 128]`` (masked codes) as one reduction:
+    slice ``j`` is ``[nb, W / 128, 128]`` rows (``W >= 128``) or ``[nb, 1, W]`` of row
+    ``j div (128 / W)`` at lane ``W (j mod (128 / W))``; shifted by ``bits j`` and summed
+    (distinct bit positions: the sum is an OR, no carry)."""
+    if w >= 128:
+        slices = c3.reshape(c3.shape[0], k, w // 128, 128)
+        shifts = (np.arange(k, dtype=np.uint32) * bits).reshape(1, k, 1, 1)
+        return jnp.sum(slices << jnp.asarray(shifts), axis=1, dtype=jnp.uint32).reshape(-1, w)
+    m = c3.shape[1]
+    slices = c3.reshape(c3.shape[0], m, 128 // w, w)
+    shifts = (np.arange(k, dtype=np.uint32) * bits).reshape(1, m, 128 // w, 1)
+    return jnp.sum(slices << jnp.asarray(shifts), axis=(1, 2), dtype=jnp.uint32)
 
 
 def unpack_lane_rows(words: jax.Array, bits: int, block_size: int) -> jax.Array:
