@@ -134,3 +134,35 @@ def test_the_joined_bucket_is_never_materialised(mesh):
     sizes = {int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
              for dims in re.findall(r"f32\[([\d,]*)\]", hlo)}
     assert max(sizes) < total, sorted(sizes)[-5:]
+
+
+def _server_codecs():
+    codecs = dict(block_codecs())
+    codecs.update({"fp8": cj.fp8(), "q8_interpret": cj.quantize(8, kernels="interpret"),
+                   "q4_interpret": cj.quantize(4, kernels="interpret"),
+                   "fp8_interpret": cj.fp8(kernels="interpret")})
+    return codecs
+
+
+@pytest.mark.parametrize("name", sorted(_server_codecs()))
+def test_owner_reencode_is_encode_decode_subtract(name):
+    """The two-phase owner re-encodes its chunk's mean with the codec's fused feedback
+    (``encode_feedback``): the words and the new server residual are the bits of
+    encoding ``y = mean + s``, decoding and subtracting, over magnitudes from 1e-30 to
+    1e30 and with a bf16 server residual."""
+    from commjax.collectives._reducers import _server_encode
+    comp = _server_codecs()[name]
+    n = 8 * comp.alignment
+    rng = np.random.default_rng(3)
+    mags = 10.0 ** rng.uniform(-30, 30, size=n // comp.alignment).repeat(comp.alignment)
+    mine = jnp.asarray((rng.standard_normal(n) * mags).astype(np.float32))
+    key = jax.random.PRNGKey(4)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        srv = (mine * 1e-3 * jnp.asarray(rng.standard_normal(n), jnp.float32)).astype(dtype)
+        words, new_srv, _ = jax.jit(lambda m, s: _server_encode(comp, m, key, s, True))(mine, srv)
+        y = mine + srv.astype(jnp.float32)
+        want_words, local = jax.jit(
+            lambda v: comp.encode_and_decode(v, jax.random.fold_in(key, 0x5E7)))(y)
+        np.testing.assert_array_equal(np.asarray(words), np.asarray(want_words))
+        assert new_srv.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(new_srv), np.asarray((y - local).astype(dtype)))
