@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import commjax as cj
 from commjax import _compat, bucket
 from commjax.compressors.base import Segment
-from commjax.collectives._reducers import get_reducer, reduce_parts
+from commjax.collectives._reducers import _server_encode, get_reducer, reduce_parts
 from commjax.testing import block_codecs, ready
 
 N = 8
@@ -150,7 +150,6 @@ def test_owner_reencode_is_encode_decode_subtract(name):
     (``encode_feedback``): the words and the new server residual are the bits of
     encoding ``y = mean + s``, decoding and subtracting, over magnitudes from 1e-30 to
     1e30 and with a bf16 server residual."""
-    from commjax.collectives._reducers import _server_encode
     comp = _server_codecs()[name]
     n = 8 * comp.alignment
     rng = np.random.default_rng(3)
