@@ -437,7 +437,7 @@ def _server_encode(server, mine, key, server_residual, server_error_feedback):
     keep = server_residual is not None and server_error_feedback
     server_in = mine + server_residual.astype(jnp.float32) if keep else mine
     server_key = None if key is None else jax.random.fold_in(key, 0x5E7)
-    if keep and isinstance(server, BlockCompressor):
+    if keep and isinstance(server, BlockCompressor) and server.reencode_by_feedback:
         # One pass of the codec's fused feedback (``y - decode(encode(y))``, the same bits).
         words, res = server.encode_feedback(mine, server_residual, server_key)
         return words, res.astype(server_residual.dtype), server_in

@@ -94,6 +94,11 @@ class Compressor:
     # it is measured per codec (benchmarks/aot.py, 4 MB buckets). One bucket and
     # exchanges (PowerSGD) always take the sums.
     tpu_norm_sums_in_buckets: ClassVar[bool] = False
+    # A two-phase owner re-encodes its chunk's mean with the server residual by
+    # ``encode_feedback`` (one pass, the same bits as encode, decode, subtract) where this
+    # is set; else by encoding and decoding. Measured per codec (benchmarks/aot.py, one
+    # bucket and 4 MB buckets on a v5e).
+    reencode_by_feedback: ClassVar[bool] = True
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         """Whether a leaf of this shape is worth compressing (else: the exact bucket)."""
