@@ -459,7 +459,8 @@ def test_lane_row_kernels_make_one_pass_on_tpu(target):
     """Compiled for a TPU, the lane-row encode kernels (int8 on both grids and fp8,
     stochastic from a key, with a residual) read ``x`` and ``e`` once and write the wire rows and the new
     residual once (within 25%, the copy that flattens the wire rows included), at most
-    60% of their references' traffic; the decode-and-sum kernel of 8 payloads moves no
+    70% of their references' traffic (v5e 218 against 323 MB since the references' summed
+    packing, which XLA fuses into the codes' loop; 487 before it); the decode-and-sum kernel of 8 payloads moves no
     more than the reference. (A 16M-value bucket: a v5e keeps 4M values' intermediates
     in its on-chip memory, where XLA's reference is one pass too.)"""
     from commjax import kernels
@@ -483,7 +484,7 @@ def test_lane_row_kernels_make_one_pass_on_tpu(target):
     for name, kw in (("int8", dict(bits=8)), ("int8_midrise", dict(bits=8, midrise=True)),
                      ("fp8", dict(codec=kernels.fp8_blocks, fmt="e4m3"))):
         kernel, ref = encode("pallas", **kw), encode("reference", **kw)
-        assert kernel <= 1.25 * one_pass and kernel <= 0.6 * ref, (name, kernel, one_pass, ref)
+        assert kernel <= 1.25 * one_pass and kernel <= 0.7 * ref, (name, kernel, one_pass, ref)
     assert decode("pallas") <= decode("reference"), (decode("pallas"), decode("reference"))
 
 

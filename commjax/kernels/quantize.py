@@ -42,7 +42,7 @@ Two kernels, one pass each:
   ([`commjax.noise.uniform_at`][], 32-bit integer operations), the same numbers as
   the reference draws; or read from ``uniforms``. On a 16M-value bucket compiled for a
   TPU v5e (``x``, ``e``; stochastic; the new residual) it moves 218 MB against the
-  reference's 487 MB (``benchmarks/aot_encode.py``).
+  reference's 323 MB (``benchmarks/aot_encode.py``).
 * **block rows** (other block sizes that are multiples of 32): one row of ``[nb, B]``
   per block; XLA first reads ``x`` (and ``e``) for the per-block constants
   (``commjax.kernels.reference.row_constants``), then the kernel reads ``x``, ``e`` and
