@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import commjax as cj
 from commjax import packing
@@ -401,6 +401,8 @@ def test_clip_rms_kernels_and_fingerprint():
     scale=st.floats(1e-3, 1e3),
     seed=st.integers(0, 2**16),
 )
+# Half a step plus fp32 rounding: 3.6e-6 of the step over half of it (CI, seed 747).
+@example(name="q8_nearest", shape=(8, 8, 19), dtype="float32", scale=670.8125, seed=747)
 def test_property_roundtrip(name, shape, dtype, scale, seed):
     comp = BLOCK_CODECS[name]
     x = (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
@@ -424,7 +426,10 @@ def test_property_roundtrip(name, shape, dtype, scale, seed):
         np.testing.assert_array_equal(yf, xf)
     if name.endswith("nearest"):
         bits = BLOCK_CODECS[name].num_bits
-        assert np.abs(yf - xf).max() <= amax / (2 ** (bits - 1) - 1) * 0.5 * slack + amax * 1e-2 * (dtype != "float32") + 1e-30
+        # Half a step, plus the fp32 roundings of q = x (L / s) and of l (s / L), each at
+        # most a few ulps of amax: 2**-20 amax bounds them.
+        fp32 = amax * 2.0 ** -20
+        assert np.abs(yf - xf).max() <= amax / (2 ** (bits - 1) - 1) * 0.5 + fp32 + amax * 1e-2 * (dtype != "float32") + 1e-30
 
 
 @pytest.mark.parametrize("codec", [cj.quantize(8), cj.quantize(4, block_size=64), cj.quantize(2),
