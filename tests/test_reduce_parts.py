@@ -137,11 +137,13 @@ def test_the_joined_bucket_is_never_materialised(mesh):
 
 
 def _server_codecs():
+    """The codecs whose owner re-encodes by feedback (for the others ``_server_encode``
+    is encode, decode, subtract itself, and the comparison below could not fail)."""
     codecs = dict(block_codecs())
     codecs.update({"fp8": cj.fp8(), "q8_interpret": cj.quantize(8, kernels="interpret"),
                    "q4_interpret": cj.quantize(4, kernels="interpret"),
                    "fp8_interpret": cj.fp8(kernels="interpret")})
-    return codecs
+    return {k: c for k, c in codecs.items() if c.reencode_by_feedback}
 
 
 @pytest.mark.parametrize("name", sorted(_server_codecs()))
