@@ -116,6 +116,23 @@ def _grads(step: int, nan_at=None):
     return out
 
 
+def _compile(tx, mesh):
+    """``(f, state)``: ``tx``'s step on per-replica params and gradients (``check_vma=True``),
+    returning per-replica params, updates and the state."""
+    state = cj.init_sharded(tx, _params(), mesh, AX)
+    specs = cj.state_specs(state, AX)
+
+    def step(p, s, g):
+        p1, g1 = (jax.tree_util.tree_map(lambda a: a[0], t) for t in (p, g))
+        u, s = tx.update(g1, s, p1)
+        new = optax.apply_updates(p1, u)
+        return jax.tree_util.tree_map(lambda a: a[None], (new, u)) + (s,)
+
+    f = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(AX), specs, P(AX)),
+                                  out_specs=(P(AX), P(AX), specs)))
+    return f, state
+
+
 @pytest.fixture(scope="module")
 def steppers(mesh):
     """One compiled step per case: per-replica params and gradients in, per-replica params,
@@ -125,18 +142,7 @@ def steppers(mesh):
     def get(name):
         if name not in cache:
             tx = CASES[name]()
-            state = cj.init_sharded(tx, _params(), mesh, AX)
-            specs = cj.state_specs(state, AX)
-
-            def step(p, s, g):
-                p1, g1 = (jax.tree_util.tree_map(lambda a: a[0], t) for t in (p, g))
-                u, s = tx.update(g1, s, p1)
-                new = optax.apply_updates(p1, u)
-                return jax.tree_util.tree_map(lambda a: a[None], (new, u)) + (s,)
-
-            f = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(AX), specs, P(AX)),
-                                          out_specs=(P(AX), P(AX), specs)))
-            cache[name] = (tx, f, state)
+            cache[name] = (tx,) + _compile(tx, mesh)
         return cache[name]
 
     return get
@@ -237,6 +243,44 @@ def test_inf_on_one_replica_flags_only_its_leaf(mesh, steppers, name):
     assert np.all(np.isnan(np.asarray(u["v"]))), "the Inf did not reach every replica"
     assert _finite_floats({k: u[k] for k in ("w", "b")}) and _identical({k: u[k] for k in ("w", "b")})
     assert _finite_floats(state_bad), "the state was poisoned"
+
+
+#: One mean case per way a flagged residual is formed: the two-phase owner's re-encode
+#: (cast, int8, sign), the all-gather (int8; top-k, which selects from the kept residual),
+#: an exchange (PowerSGD), shared positions (random-k).
+RESET_CASES = ["mean-cast-two_phase", "mean-q8-two_phase", "mean-q8-allgather", "mean-sign-auto",
+               "mean-top_k-allgather", "mean-powersgd-auto", "mean-random_k-auto"]
+
+
+@pytest.mark.parametrize("name", RESET_CASES)
+def test_reset_on_nonfinite_zeroes_only_the_flagged_residuals(mesh, steppers, name):
+    """``check_finite="reset"``: finite steps give the bits of the default; a NaN step
+    gives the same updates (NaN for the flagged leaf on every replica), the other leaves'
+    residuals of the default, zero for the flagged leaf's and for the server residual;
+    training goes on."""
+    _, keep_f, keep_state = steppers(name)
+    _, codec, reducer = name.split("-")
+    f, state = _compile(optax.chain(cj.compressed_mean({**CODECS, **VARIANTS}[codec], AX, reducer=reducer,
+                                                       min_compress_size=MIN, check_finite="reset"),
+                                    optax.sgd(0.05)), mesh)
+    params = _placed(mesh, jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params()))
+    w = [i for i, r in enumerate(cj.communication_plan(_planned(name), _params(), N).routing.routes)
+         if r == "compress"].index(2)  # leaves: b, v, w
+    for t in range(3):
+        grads = _placed(mesh, _grads(t, nan_at=5 if t == 2 else None))
+        p_keep, u_keep, keep_state = ready(*keep_f(params, keep_state, grads))
+        p_new, u, state = ready(*f(params, state, grads))
+        assert same_bits(u, u_keep), f"step {t}: the updates differ from check_finite=True's"
+        if t < 2:
+            assert same_bits(state, keep_state), f"step {t}: the state differs from check_finite=True's"
+            params = p_new
+    assert np.all(np.isnan(np.asarray(u["w"]))) and _finite_floats({k: u[k] for k in ("b", "v")})
+    assert np.all(np.asarray(state[0].metrics["nonfinite"]) == 1.0) and _finite_floats(state)
+    for k, (a, b) in enumerate(zip(state[0].residual, keep_state[0].residual)):
+        assert same_bits(a, np.zeros_like(np.asarray(b)) if k == w else b), f"residual[{k}]"
+    assert not np.any(np.asarray(state[0].server_residual)), "the server residual was not reset"
+    params, u, state = ready(*f(params, state, _placed(mesh, _grads(3))))
+    assert _finite_floats(u) and _identical(params)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
