@@ -408,6 +408,25 @@ def test_powersgd_reads_the_leaves_where_they_lie_on_tpu():
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("codec", ["int8", "powersgd"])
+def test_reset_on_nonfinite_spares_a_read_of_the_residuals_on_tpu(codec):
+    """``check_finite="reset"``: the pass that writes the new residuals no longer reads
+    the old ones (kept on a bad step by default). v5e, the MLP's step: int8 916 -> 822 MB
+    with 1.3 gradients less scratch, PowerSGD r4 506 -> 420 MB, 1.09x the exact step."""
+    target = "v5e:2x4"
+    mesh = aot.target_mesh(target)
+    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    c = cj.quantize(8) if codec == "int8" else cj.powersgd(4)
+    rep = {name: aot.analyze(aot.compile_update(optax.chain(cj.compressed_mean(c, "data", check_finite=mode),
+                                                            optax.sgd(0.1)), params, mesh), target)
+           for name, mode in (("keep", True), ("reset", "reset"))}
+    grad_bytes = 4 * (4096 * 4096 + 4096 * 1024)
+    assert rep["reset"]["traffic"] <= rep["keep"]["traffic"] - 0.75 * grad_bytes, rep
+    assert rep["reset"]["temp"] <= rep["keep"]["temp"], rep
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 @pytest.mark.parametrize("codec,bucket_mb", [("bf16", None), ("sign", 4)])
 def test_residual_norm_is_taken_where_the_residual_is_written_on_tpu(codec, bucket_mb):
     """On TPU the residual-norm metric costs no pass of its own where compressed_mean
