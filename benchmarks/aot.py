@@ -168,7 +168,11 @@ MEANS = {
     "int8_nearest_no_guard_no_feedback": (cj.quantize(8, stochastic=False), {
         "check_finite": False, "error_feedback": False, "server_error_feedback": False}),
     # A non-finite step zeroes the flagged residuals instead of keeping them.
+    "bf16_reset": (cj.cast(jnp.bfloat16), {"check_finite": "reset"}),
     "int8_reset": (cj.quantize(8), {"check_finite": "reset"}),
+    "int4_reset": (cj.quantize(4), {"check_finite": "reset"}),
+    "sign_reset": (cj.sign(), {"check_finite": "reset"}),
+    "fp8_reset": (cj.fp8(), {"check_finite": "reset"}),
     "powersgd_r4_reset": (cj.powersgd(4), {"check_finite": "reset"}),
     "int8_pallas": (cj.quantize(8, kernels="pallas"), {}),
     "int4_pallas": (cj.quantize(4, kernels="pallas"), {}),
