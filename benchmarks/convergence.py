@@ -9,7 +9,9 @@ and whether all replicas ended bit-identical.
 
     python benchmarks/convergence.py [--steps 300] [--out benchmarks/results]
 
-Writes ``convergence.json`` and ``convergence.png`` (loss curves).
+Writes ``convergence.json`` and ``convergence.png`` (loss curves). The rows with a NaN every
+20 steps (``--only "NaN every" --name convergence_nonfinite``) compare what
+``compressed_mean(check_finite=...)`` does with the residuals on such a step.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from _results import write_results  # noqa: E402
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax import lax  # noqa: E402
 
 import commjax as cj  # noqa: E402
 from commjax.testing import noniid_classification, train  # noqa: E402
@@ -37,6 +41,39 @@ MIN_SIZE = 256  # the task's matrices are small: compress every matrix
 
 def _cm(comp, **kw):
     return cj.compressed_mean(comp, "data", min_compress_size=MIN_SIZE, **kw)
+
+
+def _bad_steps(every: int, replica: int = 3) -> optax.GradientTransformation:
+    """Makes one gradient element NaN on one replica every ``every`` steps (as a loss-scaled
+    fp16 step overflows now and then), ahead of the exchange that flags it."""
+    def init(params):
+        del params
+        return jnp.zeros((), jnp.int32)
+
+    def update(grads, count, params=None):
+        del params
+        bad = (count % every == every - 1) & (lax.axis_index("data") == replica)
+        poison = jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0.0))
+        grads = jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].add(poison.astype(g.dtype)), grads)
+        return grads, count + 1
+
+    return optax.GradientTransformation(init, update)
+
+
+def _nonfinite_methods(mom):
+    """The cost of a step skipped every 20 steps (``optax.apply_if_finite`` after the
+    exchange), and of what the residuals become on it (``check_finite``)."""
+    def run(codec, check_finite=True):
+        return lambda: optax.chain(_bad_steps(20), _cm(codec, check_finite=check_finite),
+                                   optax.apply_if_finite(mom(), 1000))
+    base = "exact, NaN every 20 steps (momentum)"
+    return [
+        (base, "exact (momentum)", run(cj.identity())),
+        ("8-bit, NaN every 20 steps, residuals kept (momentum)", base, run(cj.quantize(8))),
+        ("8-bit, NaN every 20 steps, residuals reset (momentum)", base, run(cj.quantize(8), "reset")),
+        ("sign+EF, NaN every 20 steps, residuals kept (momentum)", base, run(cj.sign())),
+        ("sign+EF, NaN every 20 steps, residuals reset (momentum)", base, run(cj.sign(), "reset")),
+    ]
 
 
 def methods(lr_momentum=0.1, lr_sgd=0.3):
@@ -94,6 +131,7 @@ def methods(lr_momentum=0.1, lr_sgd=0.3):
             ("1-bit adam", "exact (adam)",
              lambda: cj.onebit_adam(1e-2, warmup_steps=50, axis_name="data")),
         ]
+    out += _nonfinite_methods(mom)
     if hasattr(cj, "diloco"):
         out.append(("diloco H=10", "exact (momentum)",
                     lambda: cj.diloco(optax.sgd(lr_momentum, momentum=0.9),
