@@ -684,7 +684,10 @@ def compressed_mean(
         new residuals need not read the old ones again (one read of the residuals less
         per step: v5e, 21M-parameter MLP, int8 916 -> 832 MB of HBM traffic, PowerSGD r4
         506 -> 420 MB; ``docs/accelerators.md``). The error those residuals carried is
-        lost on that rare step; the bytes sent are the same. Not with
+        lost on that step; the bytes sent are the same. With a NaN every 20 steps
+        that cost nothing measurable for 8-bit codes but +21.9% of final loss for sign,
+        whose residual carries much of what it sends (+2.0% kept:
+        ``benchmarks/results/convergence_nonfinite.json``). Not with
         ``error_feedback="ef21"``, whose residual is a gradient estimate. ``False`` skips both: a
         non-finite value then goes through the
         codec as it is, so what the mean becomes depends on the codec (NaN in its block
