@@ -143,3 +143,34 @@ def test_bucketed_update_refuses_another_tree(mesh):
 def test_bucket_bytes_is_checked(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
         cj.compressed_mean(cj.quantize(8), AX, bucket_bytes=bad)
+
+
+def test_reset_in_buckets_zeroes_only_the_flagged_piece(mesh):
+    """``check_finite="reset"`` with a leaf cut into pieces: a NaN in one replica's ``b``
+    (the 64x64 leaf, cut into four 16-row pieces at 4096 bytes), row 5, makes that
+    piece's mean NaN, as with the default (each piece is a leaf of its bucket); that
+    piece restarts its residual from zero where the default keeps it, every other
+    residual is the default's, and the means are the default's bit for bit."""
+    grads = _tree()
+    bad = dict(grads)
+    bad["b"] = bad["b"].at[3, 5, 7].set(jnp.nan)
+    opts = dict(min_compress_size=64, bucket_bytes=4096)
+    runs = {}
+    for mode in (True, "reset"):
+        _, state, f = _step(cj.compressed_mean(cj.quantize(8), AX, check_finite=mode, **opts), mesh, grads, steps=1)
+        u, new = f(jax.device_put(bad, NamedSharding(mesh, P(AX))), state)
+        runs[mode] = (state, jax.tree_util.tree_map(np.asarray, u), new)
+    (old, u_keep, keep), (_, u_reset, reset) = runs[True], runs["reset"]
+    assert np.all(np.isnan(u_reset["b"][:, :16])) and np.isfinite(u_reset["b"][:, 16:]).all()
+    for a, b in zip(jax.tree_util.tree_leaves(u_keep), jax.tree_util.tree_leaves(u_reset)):
+        np.testing.assert_array_equal(a, b)
+    # Residuals in bucket order: a, b's four pieces, c, e (d goes exact).
+    pieces, kept, before = ([np.asarray(r) for b in s.buckets for r in b.residual] for s in (reset, keep, old))
+    assert [r.shape[1:] for r in pieces][:5] == [(32,)] + [(64,)] * 4
+    for i, (r, k, o) in enumerate(zip(pieces, kept, before)):
+        if i == 1:  # b's first piece, flagged: kept by the default, zero with reset
+            np.testing.assert_array_equal(k, o)
+            assert not np.any(r), "the flagged piece was not reset"
+        else:
+            assert np.any(r)
+            np.testing.assert_array_equal(r, k)
