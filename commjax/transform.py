@@ -518,7 +518,7 @@ def _flagged_residual(cfg: ExchangeConfig, old: jax.Array):
     """A flagged leaf's new residual: ``old`` (``"keep"``), or zero (``"reset"``), which
     the step then need not read again after the exchange: the select that keeps ``old``
     reads the old residual a second time, in the pass that writes the new one (v5e,
-    21M-parameter MLP: int8 916 -> 832 MB a step, PowerSGD r4 506 -> 420 MB)."""
+    21M-parameter MLP: int8 916 -> 821 MB a step, PowerSGD r4 506 -> 420 MB)."""
     if cfg.on_nonfinite == "keep":
         return old
     return jax.tree_util.tree_map(lambda o: jnp.zeros((), o.dtype), old)
@@ -682,7 +682,7 @@ def compressed_mean(
         and NaN means, but a flagged leaf's worker residuals, and on such a step the
         whole server residual, restart from zero instead, so that the pass writing the
         new residuals need not read the old ones again (one read of the residuals less
-        per step: v5e, 21M-parameter MLP, int8 916 -> 832 MB of HBM traffic, PowerSGD r4
+        per step: v5e, 21M-parameter MLP, int8 916 -> 821 MB of HBM traffic, PowerSGD r4
         506 -> 420 MB; ``docs/accelerators.md``). The error those residuals carried is
         lost on that step; the bytes sent are the same. With a NaN every 20 steps
         that cost nothing measurable for 8-bit codes but +21.9% of final loss for sign,
@@ -751,7 +751,7 @@ def _one_bucket(compressor: Compressor, axis_name: Any, *, inner_axis_name, erro
         compress_vectors=bool(compress_vectors), residual_dtype=jnp.dtype(residual_dtype),
         server_error_feedback=bool(server_error_feedback), check_finite=bool(check_finite),
         num_replicas=num_replicas, seed=int(seed), in_buckets=bool(in_buckets),
-        on_nonfinite="reset" if check_finite == "reset" else "keep",
+        on_nonfinite="reset" if isinstance(check_finite, str) else "keep",
     )
 
     def init_fn(params):
