@@ -167,18 +167,14 @@ MEANS = {
     "int8_nearest_no_guard": (cj.quantize(8, stochastic=False), {"check_finite": False}),
     "int8_nearest_no_guard_no_feedback": (cj.quantize(8, stochastic=False), {
         "check_finite": False, "error_feedback": False, "server_error_feedback": False}),
-    # A non-finite step zeroes the flagged residuals instead of keeping them.
-    "bf16_reset": (cj.cast(jnp.bfloat16), {"check_finite": "reset"}),
-    "int8_reset": (cj.quantize(8), {"check_finite": "reset"}),
-    "int4_reset": (cj.quantize(4), {"check_finite": "reset"}),
-    "sign_reset": (cj.sign(), {"check_finite": "reset"}),
-    "fp8_reset": (cj.fp8(), {"check_finite": "reset"}),
-    "powersgd_r4_reset": (cj.powersgd(4), {"check_finite": "reset"}),
     "int8_pallas": (cj.quantize(8, kernels="pallas"), {}),
     "int4_pallas": (cj.quantize(4, kernels="pallas"), {}),
     "sign_pallas": (cj.sign(kernels="pallas"), {}),
     "fp8_pallas": (cj.fp8(kernels="pallas"), {}),
 }
+#: ``<name>_reset``: the same, with a non-finite step's residuals zeroed instead of kept.
+MEANS |= {f"{name}_reset": (MEANS[name][0], {**MEANS[name][1], "check_finite": "reset"})
+          for name in ("bf16", "int8", "int4", "sign", "fp8", "powersgd_r4")}
 
 
 def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32) -> dict:

@@ -19,6 +19,10 @@ from commjax import _hlo_traffic as hlo
 from commjax.accounting import parse_hlo_collectives
 from commjax.collectives._common import SHARD_PAD_MIN
 
+#: The weights of ``benchmarks/aot.py``'s 21M-parameter MLP (its ``mlp21m`` adds the bias).
+_MLP = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+
 _TEXT = """HloModule jit_step, is_scheduled=true
 
 %fused_computation (param_0.1: f32[64,8], param_1.2: f32[64,8]) -> f32[64,8] {
@@ -381,8 +385,7 @@ def test_top_k_payloads_travel_as_an_all_gather_of_the_plans_bytes_on_tpu():
     all-gather of exactly the plan's bytes: a row that is not whole lane tiles went as an
     all-reduce of a zero-filled buffer of every replica's rows, twice the bytes."""
     mesh = aot.target_mesh("v5e:2x4")
-    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32), "b": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    params = {**_MLP, "b": jax.ShapeDtypeStruct((4096,), jnp.float32)}
     tx = cj.compressed_mean(cj.top_k(0.01), "data")
     rep = parse_hlo_collectives(aot.compile_update(optax.chain(tx, optax.sgd(0.1)), params, mesh).as_text())
     assert [c.kind for c in rep.collectives if c.operand_bytes >= 1 << 20] == ["all-gather"], rep.table()
@@ -397,8 +400,7 @@ def test_powersgd_reads_the_leaves_where_they_lie_on_tpu():
     and residual made it a transpose each way: 3.3x the traffic, twice the scratch.)"""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
-    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    params = _MLP
     rep = {name: aot.analyze(aot.compile_update(optax.chain(cj.compressed_mean(c, "data"), optax.sgd(0.1)),
                                                 params, mesh), target)
            for name, c in (("exact", cj.identity()), ("powersgd", cj.powersgd(4)))}
@@ -415,8 +417,7 @@ def test_reset_on_nonfinite_spares_a_read_of_the_residuals_on_tpu(codec):
     with 1.3 gradients less scratch, PowerSGD r4 506 -> 420 MB, 1.09x the exact step."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
-    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    params = _MLP
     c = cj.quantize(8) if codec == "int8" else cj.powersgd(4)
     rep = {name: aot.analyze(aot.compile_update(optax.chain(cj.compressed_mean(c, "data", check_finite=mode),
                                                             optax.sgd(0.1)), params, mesh), target)
@@ -437,14 +438,12 @@ def test_int8_in_buckets_with_reset_is_one_pass_on_tpu():
     cut leaf's joined mean out and copies the gradient first: 1.53x."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
-    weights = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-               "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
     mean = cj.compressed_mean(cj.quantize(8), "data", bucket_bytes=4 << 20, check_finite="reset")
     rep = {name: aot.analyze(aot.compile_update(optax.chain(m, optax.sgd(0.1)), params, mesh), target)
            for name, m, params in (
-               ("exact", cj.compressed_mean(cj.identity(), "data"), weights),
-               ("int8", mean, {**weights, "b1": jax.ShapeDtypeStruct((4096,), jnp.float32)}),
-               ("int8_weights_only", mean, weights))}
+               ("exact", cj.compressed_mean(cj.identity(), "data"), _MLP),
+               ("int8", mean, {**_MLP, "b1": jax.ShapeDtypeStruct((4096,), jnp.float32)}),
+               ("int8_weights_only", mean, _MLP))}
     assert rep["int8"]["traffic"] <= 1.3 * rep["exact"]["traffic"], rep
     assert rep["int8"]["traffic"] <= 1.1 * rep["int8"]["ideal"], rep
     assert rep["int8_weights_only"]["traffic"] <= 1.6 * rep["exact"]["traffic"], rep
@@ -459,8 +458,7 @@ def test_residual_norm_is_taken_where_the_residual_is_written_on_tpu(codec, buck
     step's traffic (2.42x with l2_norm), sign in 4 MB buckets 1.89x (2.65x)."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
-    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    params = _MLP
     c = cj.cast(jnp.bfloat16) if codec == "bf16" else cj.sign()
     bucket = None if bucket_mb is None else bucket_mb * 2 ** 20
     rep = {name: aot.analyze(aot.compile_update(optax.chain(mean, optax.sgd(0.1)), params, mesh), target)
@@ -544,8 +542,7 @@ def test_zero_weight_decode_stays_in_lane_rows_on_tpu():
     about one gradient more)."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
-    params = {"w1": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((4096, 1024), jnp.float32), "b1": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    params = {**_MLP, "b1": jax.ShapeDtypeStruct((4096,), jnp.float32)}
 
     def report(kernels):
         kw = {} if kernels is None else dict(

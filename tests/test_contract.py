@@ -195,8 +195,7 @@ def _moved(name: str, before, after) -> list:
     case, the poisoned leaf's residual (the other leaves' residuals move on); for an
     optimizer, every float leaf but its per-step metrics."""
     if name.startswith("mean-"):
-        routes = cj.communication_plan(_planned(name), _params(), N).routing.routes
-        w = [i for i, r in enumerate(routes) if r == "compress"].index(2)  # leaves: b, v, w
+        w = _w_residual(name)
         res = (before[0].residual, after[0].residual)
         return [] if not res[0] else [f"residual[{w}]"] * (not np.array_equal(res[0][w], res[1][w]))
     out = []
@@ -264,8 +263,7 @@ def test_reset_on_nonfinite_zeroes_only_the_flagged_residuals(mesh, steppers, na
                                                        min_compress_size=MIN, check_finite="reset"),
                                     optax.sgd(0.05)), mesh)
     params = _placed(mesh, jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params()))
-    w = [i for i, r in enumerate(cj.communication_plan(_planned(name), _params(), N).routing.routes)
-         if r == "compress"].index(2)  # leaves: b, v, w
+    w = _w_residual(name)
     for t in range(3):
         grads = _placed(mesh, _grads(t, nan_at=5 if t == 2 else None))
         p_keep, u_keep, keep_state = ready(*keep_f(params, keep_state, grads))
@@ -308,6 +306,12 @@ def test_state_layout_and_checkpoint_round_trip(mesh, steppers, name, tmp_path):
     # Training resumes from the restored state bit for bit (stochastic codecs included).
     grads = _placed(mesh, _grads(1))
     assert same_bits(ready(*f(params, back, grads)), ready(*f(params, state, grads)))
+
+
+def _w_residual(name: str) -> int:
+    """Which of mean case ``name``'s residuals is leaf ``w``'s (leaves: b, v, w)."""
+    routes = cj.communication_plan(_planned(name), _params(), N).routing.routes
+    return [i for i, r in enumerate(routes) if r == "compress"].index(2)
 
 
 def _planned(name: str):
