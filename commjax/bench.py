@@ -5,13 +5,15 @@
     python -m commjax.bench --params 200e6 --distributed        # one process per host
     python -m commjax.bench --target v5e:2x4 --params 1e9       # deviceless: no accelerator
     python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 16 --residual-dtype bfloat16
+    python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 4 --check-finite reset
 
 With ``--target`` nothing runs: each step is compiled for that TPU topology or GPU target
 from this machine ([`commjax.aot`][]; ``pip install 'commjax[aot]'``) and the table gives
 the compiled program's HBM traffic, scratch, wire bytes and a projected step time on the
 target's fast and slow links, each against the exact step.
 
-For a model of about ``--params`` parameters (``--layers`` square matrices), each
+For a model of about ``--params`` parameters (``--layers`` square matrices, their side a
+multiple of 256 from 256 up, as models' widths are), each
 compressor's step (``cj.data_parallel`` of ``chain(cj.compressed_mean(c), sgd)``) is
 compiled and timed, next to the exact fp32 mean and a floor with no exchange at all
 (each replica applies its own gradient). The table gives, per step and device:
@@ -73,9 +75,32 @@ class Row:
     bound: float = float("nan")
 
 
-def _model(num_params: float, layers: int, seed: int = 0) -> dict:
-    """``layers`` square matrices of about ``num_params`` parameters in all."""
-    d = max(8, int(round((num_params / layers) ** 0.5)))
+#: Widths of at least this many go to a multiple of it, as models' widths do.
+WIDTH_MULTIPLE = 256
+
+
+def _width(num_params: float, layers: int, width: Optional[int] = None) -> int:
+    """The side of ``layers`` square matrices of about ``num_params`` parameters in all
+    (``width``, when given, is the side and ``num_params`` is not used).
+
+    From 256 up it is a multiple of 256, as a model's widths are: each row then holds
+    whole blocks of the block codecs (256 elements) and whole TPU lane tiles. At an odd
+    width every block straddles two rows, which a TPU pays for in relayouts: compiled for
+    a v5e-8 in 4 MB buckets, int8 moved 2.90x the exact step's memory at width 5000 and
+    2.38x at 5120 (``docs/accelerators.md``)."""
+    if width is not None:
+        if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
+            raise ValueError(f"bench: `width` must be a positive integer (the matrices' side), got {width!r}.")
+        return int(width)
+    d = (num_params / layers) ** 0.5
+    if d < WIDTH_MULTIPLE:
+        return max(8, int(round(d)))
+    return WIDTH_MULTIPLE * int(round(d / WIDTH_MULTIPLE))
+
+
+def _model(num_params: float, layers: int, seed: int = 0, width: Optional[int] = None) -> dict:
+    """``layers`` square matrices of about ``num_params`` parameters in all (``_width``)."""
+    d = _width(num_params, layers, width)
     keys = jax.random.split(jax.random.PRNGKey(seed), layers)
     return {f"w{i}": jax.random.normal(k, (d, d), jnp.float32) / np.sqrt(d)
             for i, k in enumerate(keys)}
@@ -108,39 +133,48 @@ def _mean(codec: Any, options: dict) -> optax.GradientTransformation:
     return optax.chain(compressed_mean(codec, "data", **options), optax.sgd(1e-3))
 
 
-def _options(bucket_bytes: Optional[int], residual_dtype: Any) -> dict:
-    """``compressed_mean`` options of the compressed rows (the exact row keeps one bucket
-    and no residuals: it is the baseline)."""
+#: ``--check-finite`` words and the ``compressed_mean(check_finite=)`` values they name.
+CHECK_FINITE = {"true": True, "false": False, "reset": "reset"}
+
+
+def _options(bucket_bytes: Optional[int], residual_dtype: Any, check_finite: Any = True) -> dict:
+    """``compressed_mean`` options of the compressed rows (the exact row keeps one bucket,
+    no residuals and the default guard: it is the baseline)."""
     out: dict = {} if bucket_bytes is None else {"bucket_bytes": int(bucket_bytes)}
     if residual_dtype is not None:
         out["residual_dtype"] = jnp.dtype(residual_dtype)
+    if check_finite is not True:
+        out["check_finite"] = check_finite
     return out
 
 
 def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
         layers: int = 4, steps: int = 10, batch_per_replica: int = 8,
         mesh: Optional[jax.sharding.Mesh] = None, bucket_bytes: Optional[int] = None,
-        residual_dtype: Any = None) -> list[Row]:
+        residual_dtype: Any = None, check_finite: Any = True, width: Optional[int] = None) -> list[Row]:
     """Time the floor (no exchange), the exact mean and each compressor; see the module
     docstring for the columns. ``mesh``: default, one ``"data"`` axis over every device
-    (every process's, under ``jax.distributed``). ``bucket_bytes``, ``residual_dtype``:
-    [`commjax.compressed_mean`][]'s options for the compressors' rows."""
+    (every process's, under ``jax.distributed``). ``bucket_bytes``, ``residual_dtype``,
+    ``check_finite``: [`commjax.compressed_mean`][]'s options for the compressors' rows.
+    ``width``: the matrices' side (default from ``num_params``, see ``_width``)."""
     if mesh is None:
         mesh = _compat.make_mesh((jax.device_count(),), ("data",))
-    params = _model(num_params, layers)
+    params = _model(num_params, layers, width=width)
     d = params["w0"].shape[0]
     n = int(mesh.shape["data"])
     batch = jax.random.normal(jax.random.PRNGKey(1), (n * batch_per_replica, d))
     unknown = sorted(set(compressors) - set(COMPRESSORS))
     if unknown:
         raise ValueError(f"bench.run: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
+    # Built before anything is timed: a bad option fails at once, naming itself.
+    options = _options(bucket_bytes, residual_dtype, check_finite)
+    runs = [("exact fp32 mean", _mean(identity(), {}))] + [(c, _mean(COMPRESSORS[c](), options))
+                                                           for c in compressors]
     floor = data_parallel(_loss, optax.sgd(1e-3), mesh, per_replica_params=True)
     t0, _ = _time(floor, params, batch, steps)
     rows = [Row("no exchange (floor)", 0.0, t0)]
-    options = _options(bucket_bytes, residual_dtype)
-    runs = [("exact fp32 mean", identity(), {})] + [(c, COMPRESSORS[c](), options) for c in compressors]
-    for label, codec, opts in runs:
-        t, b = _time(data_parallel(_loss, _mean(codec, opts), mesh), params, batch, steps)
+    for label, tx in runs:
+        t, b = _time(data_parallel(_loss, tx, mesh), params, batch, steps)
         rows.append(Row(label, b, t))
     exact = rows[1]
     bw = exact.bytes / (exact.step_s - t0) if exact.step_s > t0 else float("inf")
@@ -150,24 +184,28 @@ def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4
     return rows
 
 
-def _shapes(num_params: float, layers: int) -> dict:
-    d = max(8, int(round((num_params / layers) ** 0.5)))
+def _shapes(num_params: float, layers: int, width: Optional[int] = None) -> dict:
+    d = _width(num_params, layers, width)
     return {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(layers)}
 
 
 def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
-               layers: int = 4, bucket_bytes: Optional[int] = None, residual_dtype: Any = None) -> list[dict]:
+               layers: int = 4, bucket_bytes: Optional[int] = None, residual_dtype: Any = None,
+               check_finite: Any = True, width: Optional[int] = None) -> list[dict]:
     """Compile the exact and each compressor's update step for ``target`` (deviceless)
     and report them ([`commjax.aot.analyze`][]), each with ratios to the exact step (one
-    bucket, no residuals). ``bucket_bytes``, ``residual_dtype``: as for
+    bucket, no residuals). ``bucket_bytes``, ``residual_dtype``, ``check_finite``, ``width``: as for
     [`run`][commjax.bench.run]: on a TPU, buckets of a few MB keep the codecs'
-    intermediates on chip and bf16 residuals halve their state (``docs/accelerators.md``)."""
+    intermediates on chip, ``check_finite="reset"`` spares the residual pass a second
+    read of the old residuals, and bf16 residuals halve their state
+    (``docs/accelerators.md``)."""
+    options = _options(bucket_bytes, residual_dtype, check_finite)
+    runs = [("exact", _mean(identity(), {}))] + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors]
     mesh = aot.target_mesh(target)
-    params = _shapes(num_params, layers)
+    params = _shapes(num_params, layers, width)
     rows = []
-    options = _options(bucket_bytes, residual_dtype)
-    for label, codec, opts in [("exact", identity(), {})] + [(c, COMPRESSORS[c](), options) for c in compressors]:
-        rep = aot.analyze(aot.compile_update(_mean(codec, opts), params, mesh), target)
+    for label, tx in runs:
+        rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
         rep["method"] = label
         rows.append(rep)
     for r in rows:
@@ -204,6 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m commjax.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, default=10e6, help="model parameters (default 10e6)")
     p.add_argument("--layers", type=int, default=4, help="square matrices (default 4)")
+    p.add_argument("--width", type=int, default=None,
+                   help="the matrices' side, instead of one from --params (a multiple of 256 from 256 up)")
     p.add_argument("--compressors", nargs="+", default=["int8", "int4", "sign", "powersgd4"],
                    choices=sorted(COMPRESSORS), help="compressors to time besides the exact mean")
     p.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")
@@ -221,11 +261,28 @@ def _parser() -> argparse.ArgumentParser:
                         "default one bucket")
     p.add_argument("--residual-dtype", default=None, choices=["float32", "bfloat16"],
                    help="error-feedback residuals' dtype (compressed_mean(residual_dtype=)); default float32")
+    p.add_argument("--check-finite", default="true", choices=list(CHECK_FINITE),
+                   help="the compressed rows' non-finite guard (compressed_mean(check_finite=)): "
+                        "'true' keeps a flagged step's residuals (default), 'reset' restarts them "
+                        "from zero and reads them once less per step, 'false' has no guard")
     return p
 
 
 def _bucket_bytes(args: argparse.Namespace) -> Optional[int]:
     return None if args.bucket_mb is None else max(1, int(args.bucket_mb * 2 ** 20))
+
+
+def _model_line(args: argparse.Namespace) -> str:
+    d = _width(args.params, args.layers, args.width)
+    return f"{args.layers} matrices of {d} x {d} ({args.layers * d * d / 1e6:.4g}M parameters)"
+
+
+def _options_line(args: argparse.Namespace) -> str:
+    """The compressed rows' options as the call a user would write (the exact row is the
+    default one-bucket mean)."""
+    opts = _options(_bucket_bytes(args), args.residual_dtype, CHECK_FINITE[args.check_finite])
+    words = ", ".join(f"{k}={v!r}" if k != "residual_dtype" else f"{k}=jnp.{v}" for k, v in opts.items())
+    return f"compressed rows: compressed_mean(codec{', ' + words if words else ''})"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -244,10 +301,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         jax.distributed.initialize()
     rows = run(args.params, compressors=args.compressors, layers=args.layers,
                steps=args.steps, batch_per_replica=args.batch, bucket_bytes=_bucket_bytes(args),
-               residual_dtype=args.residual_dtype)
+               residual_dtype=args.residual_dtype, check_finite=CHECK_FINITE[args.check_finite],
+               width=args.width)
     if jax.process_index() == 0:
         print(f"{jax.device_count()} {jax.devices()[0].platform} devices, "
-              f"{jax.process_count()} process(es), ~{args.params:.3g} parameters")
+              f"{jax.process_count()} process(es), {_model_line(args)}")
+        print(_options_line(args))
         print(table(rows))
         if args.json:
             with open(args.json, "w") as f:
@@ -257,8 +316,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main_target(args: argparse.Namespace) -> int:
     rows = run_target(args.target, args.params, compressors=args.compressors, layers=args.layers,
-                      bucket_bytes=_bucket_bytes(args), residual_dtype=args.residual_dtype)
-    print(f"{args.target} (compiled here, deviceless), ~{args.params:.3g} parameters, per device and step")
+                      bucket_bytes=_bucket_bytes(args), residual_dtype=args.residual_dtype,
+                      check_finite=CHECK_FINITE[args.check_finite], width=args.width)
+    print(f"{args.target} (compiled here, deviceless), {_model_line(args)}, per device and step")
+    print(_options_line(args))
     print(target_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -149,6 +149,42 @@ def test_bench_reports_the_plan_bytes():
     assert split[1].bytes == rows[1].bytes
 
 
+@pytest.mark.parametrize("params,layers,side", [(2e4, 2, 100), (1e8, 4, 5120), (1e9, 4, 15872),
+                                                (3e5, 4, 256), (2.5e5, 4, 250)])
+def test_bench_widths_are_model_widths(params, layers, side):
+    """The benchmarked matrices' side is a multiple of 256 from 256 up (whole blocks and
+    TPU lane tiles per row, as a model's widths); below, the square root as it is."""
+    assert bench._width(params, layers) == side
+    assert {s.shape for s in bench._shapes(params, layers).values()} == {(side, side)}
+    assert bench._width(params, layers, width=5000) == 5000  # --width: the user's own side
+    with pytest.raises(ValueError, match="width"):
+        bench._width(params, layers, width=0)
+
+
+def test_bench_check_finite_option(capsys, monkeypatch):
+    """``--check-finite reset`` reaches the compressed rows and not the exact one (same
+    wire bytes: the guard changes what the residuals keep, not what is sent); a bad value
+    fails before any timing, naming the option."""
+    mesh = _compat.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    keep = bench.run(2e4, compressors=["int8"], layers=2, steps=1, mesh=mesh)
+    calls = []
+    made = bench.compressed_mean
+    monkeypatch.setattr(bench, "compressed_mean", lambda c, *a, **k: calls.append((c.name, k)) or made(c, *a, **k))
+    reset = bench.run(2e4, compressors=["int8"], layers=2, steps=1, mesh=mesh, check_finite="reset")
+    monkeypatch.undo()
+    assert calls == [("identity", {}), ("quantize", {"check_finite": "reset"})]
+    assert [r.bytes for r in reset] == [r.bytes for r in keep]
+    with pytest.raises(ValueError, match="check_finite"):
+        bench.run(2e4, compressors=["int8"], layers=2, steps=1, mesh=mesh, check_finite="maybe")
+    assert bench.main(["--params", "1e9", "--width", "100", "--layers", "2", "--steps", "1",
+                       "--compressors", "int8", "--bucket-mb", "0.05", "--check-finite", "reset"]) == 0
+    out = capsys.readouterr().out
+    assert "compressed_mean(codec, bucket_bytes=52428, check_finite='reset')" in out
+    assert "2 matrices of 100 x 100 (0.02M parameters)" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--check-finite", "maybe"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
                     reason="the docs extra is not installed (make docs installs it)")
 def test_mkdocs_builds_strict(tmp_path):
