@@ -13,7 +13,7 @@ the compiled program's HBM traffic, scratch, wire bytes and a projected step tim
 target's fast and slow links, each against the exact step.
 
 For a model of about ``--params`` parameters (``--layers`` square matrices, their side a
-multiple of 256 from 256 up, as models' widths are), each
+multiple of 128 from 128 up, as models' widths are), each
 compressor's step (``cj.data_parallel`` of ``chain(cj.compressed_mean(c), sgd)``) is
 compiled and timed, next to the exact fp32 mean and a floor with no exchange at all
 (each replica applies its own gradient). The table gives, per step and device:
@@ -76,18 +76,18 @@ class Row:
 
 
 #: Widths of at least this many go to a multiple of it, as models' widths do.
-WIDTH_MULTIPLE = 256
+WIDTH_MULTIPLE = 128
 
 
 def _width(num_params: float, layers: int, width: Optional[int] = None) -> int:
     """The side of ``layers`` square matrices of about ``num_params`` parameters in all
     (``width``, when given, is the side and ``num_params`` is not used).
 
-    From 256 up it is a multiple of 256, as a model's widths are: each row then holds
-    whole blocks of the block codecs (256 elements) and whole TPU lane tiles. At an odd
-    width every block straddles two rows, which a TPU pays for in relayouts: compiled for
-    a v5e-8 in 4 MB buckets, int8 moved 2.90x the exact step's memory at width 5000 and
-    2.38x at 5120 (``docs/accelerators.md``)."""
+    From 128 up it is a multiple of 128, as a model's widths are: the codecs read a leaf
+    as lane rows of 128 values, a view a TPU lays out for free only when each row holds
+    whole lane rows. At another width every view is a relayout: compiled for a v5e-8 in
+    4 MB buckets, int8 moved 2.90x the exact step's memory at width 5000 and 2.38x at
+    5120 (``docs/accelerators.md``)."""
     if width is not None:
         if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
             raise ValueError(f"bench: `width` must be a positive integer (the matrices' side), got {width!r}.")
@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--params", type=float, default=10e6, help="model parameters (default 10e6)")
     p.add_argument("--layers", type=int, default=4, help="square matrices (default 4)")
     p.add_argument("--width", type=int, default=None,
-                   help="the matrices' side, instead of one from --params (a multiple of 256 from 256 up)")
+                   help="the matrices' side, instead of one from --params (a multiple of 128 from 128 up)")
     p.add_argument("--compressors", nargs="+", default=["int8", "int4", "sign", "powersgd4"],
                    choices=sorted(COMPRESSORS), help="compressors to time besides the exact mean")
     p.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")

@@ -149,11 +149,11 @@ def test_bench_reports_the_plan_bytes():
     assert split[1].bytes == rows[1].bytes
 
 
-@pytest.mark.parametrize("params,layers,side", [(2e4, 2, 100), (1e8, 4, 5120), (1e9, 4, 15872),
-                                                (3e5, 4, 256), (2.5e5, 4, 250)])
+@pytest.mark.parametrize("params,layers,side", [(2e4, 2, 100), (1e8, 4, 4992), (1e9, 4, 15872),
+                                                (3e5, 4, 256), (4e4, 1, 256), (1.2e4, 1, 110)])
 def test_bench_widths_are_model_widths(params, layers, side):
-    """The benchmarked matrices' side is a multiple of 256 from 256 up (whole blocks and
-    TPU lane tiles per row, as a model's widths); below, the square root as it is."""
+    """The benchmarked matrices' side is a multiple of 128 from 128 up (whole TPU lane
+    rows per row, as a model's widths); below, the square root as it is."""
     assert bench._width(params, layers) == side
     assert {s.shape for s in bench._shapes(params, layers).values()} == {(side, side)}
     assert bench._width(params, layers, width=5000) == 5000  # --width: the user's own side
