@@ -148,6 +148,15 @@ def _options(bucket_bytes: Optional[int], residual_dtype: Any, check_finite: Any
     return out
 
 
+def _runs(compressors: Sequence[str], options: dict, exact_label: str) -> list:
+    """``(label, transform)`` of the exact row and each compressor's, built before anything
+    is compiled or timed: a bad name or option fails at once, naming itself."""
+    unknown = sorted(set(compressors) - set(COMPRESSORS))
+    if unknown:
+        raise ValueError(f"bench: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
+    return [(exact_label, _mean(identity(), {}))] + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors]
+
+
 def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
         layers: int = 4, steps: int = 10, batch_per_replica: int = 8,
         mesh: Optional[jax.sharding.Mesh] = None, bucket_bytes: Optional[int] = None,
@@ -157,19 +166,13 @@ def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4
     (every process's, under ``jax.distributed``). ``bucket_bytes``, ``residual_dtype``,
     ``check_finite``: [`commjax.compressed_mean`][]'s options for the compressors' rows.
     ``width``: the matrices' side (default from ``num_params``, see ``_width``)."""
+    runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact fp32 mean")
     if mesh is None:
         mesh = _compat.make_mesh((jax.device_count(),), ("data",))
     params = _model(num_params, layers, width=width)
     d = params["w0"].shape[0]
     n = int(mesh.shape["data"])
     batch = jax.random.normal(jax.random.PRNGKey(1), (n * batch_per_replica, d))
-    unknown = sorted(set(compressors) - set(COMPRESSORS))
-    if unknown:
-        raise ValueError(f"bench.run: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
-    # Built before anything is timed: a bad option fails at once, naming itself.
-    options = _options(bucket_bytes, residual_dtype, check_finite)
-    runs = [("exact fp32 mean", _mean(identity(), {}))] + [(c, _mean(COMPRESSORS[c](), options))
-                                                           for c in compressors]
     floor = data_parallel(_loss, optax.sgd(1e-3), mesh, per_replica_params=True)
     t0, _ = _time(floor, params, batch, steps)
     rows = [Row("no exchange (floor)", 0.0, t0)]
@@ -199,8 +202,7 @@ def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[st
     intermediates on chip, ``check_finite="reset"`` spares the residual pass a second
     read of the old residuals, and bf16 residuals halve their state
     (``docs/accelerators.md``)."""
-    options = _options(bucket_bytes, residual_dtype, check_finite)
-    runs = [("exact", _mean(identity(), {}))] + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors]
+    runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact")
     mesh = aot.target_mesh(target)
     params = _shapes(num_params, layers, width)
     rows = []

@@ -176,6 +176,9 @@ def test_bench_check_finite_option(capsys, monkeypatch):
     assert [r.bytes for r in reset] == [r.bytes for r in keep]
     with pytest.raises(ValueError, match="check_finite"):
         bench.run(2e4, compressors=["int8"], layers=2, steps=1, mesh=mesh, check_finite="maybe")
+    for run in (bench.run, bench.run_target):  # before any compile, with or without the aot extra
+        with pytest.raises(ValueError, match="unknown `compressors`"):
+            run(*(("v5e:2x4",) if run is bench.run_target else ()), compressors=["int9"])
     assert bench.main(["--params", "1e9", "--width", "100", "--layers", "2", "--steps", "1",
                        "--compressors", "int8", "--bucket-mb", "0.05", "--check-finite", "reset"]) == 0
     out = capsys.readouterr().out
