@@ -48,7 +48,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import commjax as cj  # noqa: E402
-from commjax import _compat, aot  # noqa: E402
+from commjax import _compat, aot, bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import commit, write_results  # noqa: E402
@@ -76,13 +76,6 @@ def models() -> dict:
         "gpt2s": gpt(12, 768),
         "gpt1b": gpt(24, 2048),
     }
-
-
-def _pmean() -> optax.GradientTransformation:
-    """The plain exact mean as users write it (one ``lax.pmean`` per leaf, no commjax)."""
-    return optax.GradientTransformation(
-        lambda p: optax.EmptyState(),
-        lambda g, s, p=None: (jax.tree_util.tree_map(lambda a: jax.lax.pmean(a, "data"), g), s))
 
 
 def mlp_train(layers: int = 8, width: int = 2048, batch: int = 64):
@@ -194,7 +187,7 @@ def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32) -> dict
     rows = {name: mean(*spec, buckets=None if name == "exact" else bucket_bytes) for name, spec in MEANS.items()}
     # The exact mean as users write it without commjax, beside commjax's own exact mean
     # (which sums pre-scaled values and flags non-finite leaves, at a cost in HBM traffic).
-    rows = {"exact": rows.pop("exact"), "pmean": (optax.chain(_pmean(), sgd), "mean"), **rows}
+    rows = {"exact": rows.pop("exact"), "pmean": (optax.chain(bench.plain_mean(), sgd), "mean"), **rows}
     if bucket_bytes is not None:
         return {"exact": rows.pop("exact"), "pmean": rows.pop("pmean"), "exact_bucketed": mean(*MEANS["exact"]),
                 **rows}

@@ -15,8 +15,9 @@ target's fast and slow links, each against the exact step.
 For a model of about ``--params`` parameters (``--layers`` square matrices, their side a
 multiple of 128 from 128 up, as models' widths are), each
 compressor's step (``cj.data_parallel`` of ``chain(cj.compressed_mean(c), sgd)``) is
-compiled and timed, next to the exact fp32 mean and a floor with no exchange at all
-(each replica applies its own gradient). The table gives, per step and device:
+compiled and timed, next to the exact fp32 mean (``compressed_mean(cj.identity())``), the
+plain ``lax.pmean`` of each leaf (``pmean``: the exact mean without commjax) and a floor
+with no exchange at all (each replica applies its own gradient). The table gives, per step and device:
 
 * ``bytes``: what the compiled HLO sends ([`commjax.DataParallel.collectives`][]);
 * ``step``: median wall time of ``--steps`` steps;
@@ -51,7 +52,7 @@ from commjax.compressors import cast, identity, powersgd, quantize, sign, top_k
 from commjax.step import data_parallel
 from commjax.transform import compressed_mean
 
-__all__ = ["Row", "run", "main", "COMPRESSORS"]
+__all__ = ["Row", "run", "main", "plain_mean", "COMPRESSORS"]
 
 #: The compressors ``--compressors`` can name.
 COMPRESSORS = {
@@ -133,6 +134,18 @@ def _mean(codec: Any, options: dict) -> optax.GradientTransformation:
     return optax.chain(compressed_mean(codec, "data", **options), optax.sgd(1e-3))
 
 
+def plain_mean(axis_name: Any = "data") -> optax.GradientTransformation:
+    """The exact mean as it is written without commjax: ``lax.pmean`` of each leaf over
+    ``axis_name`` (inside ``shard_map``), sending ``2 (N-1)/N * 4`` bytes per fp32 value.
+    No pre-scaled sum (a sum past the fp32 range overflows) and no non-finite flags, so
+    it can move less memory than ``compressed_mean(cj.identity())`` (a v5e, GPT-2-small
+    update step: 0.66x, ``docs/accelerators.md``): the baseline a user runs today."""
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params=None: (
+            jax.tree_util.tree_map(lambda g: jax.lax.pmean(g, axis_name), updates), state))
+
+
 #: ``--check-finite`` words and the ``compressed_mean(check_finite=)`` values they name.
 CHECK_FINITE = {"true": True, "false": False, "reset": "reset"}
 
@@ -149,12 +162,14 @@ def _options(bucket_bytes: Optional[int], residual_dtype: Any, check_finite: Any
 
 
 def _runs(compressors: Sequence[str], options: dict, exact_label: str) -> list:
-    """``(label, transform)`` of the exact row and each compressor's, built before anything
+    """``(label, transform)`` of the exact row, the plain ``lax.pmean`` row
+    ([`plain_mean`][commjax.bench.plain_mean]) and each compressor's, built before anything
     is compiled or timed: a bad name or option fails at once, naming itself."""
     unknown = sorted(set(compressors) - set(COMPRESSORS))
     if unknown:
         raise ValueError(f"bench: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
-    return [(exact_label, _mean(identity(), {}))] + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors]
+    return ([(exact_label, _mean(identity(), {})), ("pmean", optax.chain(plain_mean(), optax.sgd(1e-3)))]
+            + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors])
 
 
 def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4", "sign"),

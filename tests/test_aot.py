@@ -569,11 +569,12 @@ def test_bench_target_buckets_and_bf16_residuals():
     split = bench.run_target("v5e:2x4", n, compressors=["int8"], layers=2, bucket_bytes=2 ** 20,
                              residual_dtype="bfloat16")
     grad = 4 * n
-    assert [r["method"] for r in split] == ["exact", "int8"]
+    assert [r["method"] for r in split] == ["exact", "pmean", "int8"]
     assert split[0]["traffic"] == one[0]["traffic"] and split[0]["arguments"] == one[0]["arguments"]
-    saved = one[1]["arguments"] - split[1]["arguments"]
+    assert split[1]["wire"] == pytest.approx(split[0]["wire"], rel=1e-4) and split[1]["wire"] > split[2]["wire"]
+    saved = one[2]["arguments"] - split[2]["arguments"]
     assert abs(saved - grad / 2) <= 0.01 * grad, (saved, grad)
-    assert len(split[1]["collectives"]) > len(one[1]["collectives"]) + 4
+    assert len(split[2]["collectives"]) > len(one[2]["collectives"]) + 4
     assert "x exact" in bench.target_table(split)
 
 
