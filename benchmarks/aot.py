@@ -187,12 +187,11 @@ def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32) -> dict
     rows = {name: mean(*spec, buckets=None if name == "exact" else bucket_bytes) for name, spec in MEANS.items()}
     # The exact mean as users write it without commjax, beside commjax's own exact mean
     # (which sums pre-scaled values and flags non-finite leaves, at a cost in HBM traffic).
-    rows = {"exact": rows.pop("exact"), "pmean": (optax.chain(bench.plain_mean(), sgd), "mean"), **rows}
+    head = {"exact": rows.pop("exact"), "pmean": (optax.chain(bench.plain_mean(), sgd), "mean")}
     if bucket_bytes is not None:
-        return {"exact": rows.pop("exact"), "pmean": rows.pop("pmean"), "exact_bucketed": mean(*MEANS["exact"]),
-                **rows}
+        return head | {"exact_bucketed": mean(*MEANS["exact"])} | rows
     adam = optax.adam(1e-3)
-    return rows | {
+    return head | rows | {
         "zero_exact": (cj.zero(adam, "data"), "zero"),
         "zero_int8": (cj.zero(adam, "data", grad_codec=cj.quantize(8), weight_codec=cj.quantize(8)), "zero"),
         "zero_q4_qwd4": (cj.zero(adam, "data", grad_codec=cj.quantize(4), weight_codec=cj.quantize(4)), "zero"),

@@ -129,9 +129,14 @@ def _time(dp: Any, params: dict, batch: jax.Array, steps: int) -> tuple[float, f
     return float(np.median(times)), report.total_ring_bytes
 
 
+def _then_sgd(mean: optax.GradientTransformation) -> optax.GradientTransformation:
+    """The benchmarked step's transformation: ``mean`` then SGD."""
+    return optax.chain(mean, optax.sgd(1e-3))
+
+
 def _mean(codec: Any, options: dict) -> optax.GradientTransformation:
-    """The benchmarked step's transformation: ``compressed_mean(codec)`` then SGD."""
-    return optax.chain(compressed_mean(codec, "data", **options), optax.sgd(1e-3))
+    """``compressed_mean(codec)`` then SGD."""
+    return _then_sgd(compressed_mean(codec, "data", **options))
 
 
 def plain_mean(axis_name: Any = "data") -> optax.GradientTransformation:
@@ -168,7 +173,7 @@ def _runs(compressors: Sequence[str], options: dict, exact_label: str) -> list:
     unknown = sorted(set(compressors) - set(COMPRESSORS))
     if unknown:
         raise ValueError(f"bench: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
-    return ([(exact_label, _mean(identity(), {})), ("pmean", optax.chain(plain_mean(), optax.sgd(1e-3)))]
+    return ([(exact_label, _mean(identity(), {})), ("pmean", _then_sgd(plain_mean()))]
             + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors])
 
 
