@@ -25,8 +25,9 @@ trace time:
 * one fp32 flag per compressed leaf rides along in the exact bucket's all-reduce, so a
   NaN/Inf on any replica is seen by all of them at no extra collective; unless what every
   replica receives already tells (``finite_flags`` False): a block codec's scale words,
-  PowerSGD's factors. A non-finite input makes its block's scale, or its factors,
-  non-finite, and the test of the inputs would cost one more read of every compressed leaf.
+  PowerSGD's factors, a lossless codec's mean (sent directly, ``sent_directly``). A
+  non-finite input makes its block's scale, its factors or its pre-scaled sum non-finite,
+  and the test of the inputs would cost one more read of every compressed leaf.
 """
 
 from __future__ import annotations
@@ -141,13 +142,24 @@ def _compressed_route(compressor: Compressor, reducer: str, n: int, num_replicas
     return obj, red, comp_bytes, server
 
 
+def sent_directly(compressor: Compressor, reducer: str) -> bool:
+    """Whether a lossless codec's leaves travel as further operands of the exact all-reduce,
+    whose pre-scaled sum (``commjax.collectives._exact.prescale``) cannot overflow: a mean
+    sent so is non-finite exactly when a replica's leaf is."""
+    return compressor.lossless and reducer in ("allreduce", "none")
+
+
 def _mean_reports_finite(compressor: Compressor, obj: Any, num_replicas: int) -> bool:
     """Whether the compressed stage flags a non-finite input on every replica by itself:
-    a codec that encodes each leaf on its own (``leaf_local``) through an exchange, or
-    through a reducer whose received words tell (``Reducer.reports_finite``; not the
-    all-reduce that sends a lossless codec's leaves with the exact ones). Not one replica
-    (nothing received)."""
-    if num_replicas <= 1 or not compressor.leaf_local:
+    a lossless codec's leaves sent directly (``sent_directly``), or a codec that encodes
+    each leaf on its own (``leaf_local``) through an exchange or through a reducer whose
+    received words tell (``Reducer.reports_finite``). Not one replica (nothing
+    received)."""
+    if num_replicas <= 1:
+        return False
+    if sent_directly(compressor, "none" if obj is None else obj.name):
+        return True
+    if not compressor.leaf_local:
         return False
     if exchange_for(compressor) is not None:
         return True

@@ -47,10 +47,12 @@ def test_complex_gradients_are_averaged(mesh):
     assert u["c"].dtype == jnp.complex64
 
 
-@pytest.mark.parametrize("name", ["q8", "sign", "q8_allgather"])
+@pytest.mark.parametrize("name", ["q8", "sign", "q8_allgather", "identity"])
 def test_a_representable_mean_survives_a_sum_that_overflows(mesh, name):
-    """Every replica sends +5e37: the fp32 sum (4e38) overflows, the mean does not."""
-    codec = {"q8": cj.quantize(8), "sign": cj.sign(), "q8_allgather": cj.quantize(8)}[name]
+    """Every replica sends +5e37: the fp32 sum (4e38) overflows, the mean does not (and the
+    identity's mean, which flags a non-finite leaf by itself, is not flagged)."""
+    codec = {"q8": cj.quantize(8), "sign": cj.sign(), "q8_allgather": cj.quantize(8),
+             "identity": cj.identity()}[name]
     reducer = "allgather" if name.endswith("allgather") else "two_phase"
     g = {"w": jnp.full((N, 64, 64), 5e37, jnp.float32)}
     f, state = step_fn(cj.compressed_mean(codec, AX, reducer=reducer), {"w": g["w"][0]}, mesh)
