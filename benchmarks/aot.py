@@ -311,7 +311,7 @@ def _ratios(rows: list) -> None:
     base = {"mean": "exact", "zero": "zero_exact", "fsdp": "fsdp_exact"}
     by = {r["method"]: r for r in rows if "error" not in r}
     for r in rows:
-        if "error" in r:
+        if "error" in r or "family" not in r:  # train-step rows: no ratios
             continue
         e = by.get(base[r["family"]])
         r["over_ideal"] = r["traffic"] / r["ideal"] if r["ideal"] else float("nan")
@@ -424,8 +424,7 @@ def _main_train(args: argparse.Namespace, argv: Any) -> int:
     names = (default if args.methods is None else args.methods).split(",")
     model = args.model if args.model in TRAIN_MODELS else "gpt2s"
     rows = measure_train(args.target, names, model)
-    _write(f"train_{model}", args.target, f"{model} train step", rows, argv)
-    return 0
+    return _write(f"train_{model}", args.target, f"{model} train step", rows, argv, args.update)
 
 
 if __name__ == "__main__":
