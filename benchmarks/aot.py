@@ -11,13 +11,14 @@ For each method the update step (each replica's gradient in, parameters and stat
 Columns, per step and device (one replica):
 
 * ``traffic``: HBM bytes of the compiled program (layout padding counted), and ``x exact``:
-  its ratio to the exact step of the same family (``compressed_mean(cj.identity())`` + SGD;
-  for ZeRO rows, exact ``cj.zero``); the ``pmean`` row is the exact mean as written
-  without commjax (``lax.pmean`` per leaf + SGD), which moves less than commjax's exact
-  mean on some trees: divide a row's ``x exact`` by ``pmean``'s for its ratio to it;
+  its ratio to the exact step of the same family: for the means the exact mean as written
+  without commjax (the ``pmean`` row: ``lax.pmean`` per leaf + SGD), so that a row's ratio
+  does not move with commjax's own exact mean (the ``exact`` row,
+  ``compressed_mean(cj.identity())`` + SGD, which also flags non-finite leaves and sums
+  overflow-safe); for ZeRO rows exact ``cj.zero``, for FSDP rows exact FSDP;
 * ``x ideal``: traffic over the one-pass ideal of the same program (inputs read once,
   outputs written once, each collective's buffers once);
-* ``temp``: scratch bytes, and ``+grad``: ``(temp - exact temp) / gradient bytes``;
+* ``temp``: scratch bytes, and ``+grad``: ``(temp - the exact step's) / gradient bytes``;
 * ``wire``: ring bytes of every collective; ``kernels``: the custom-call kernels;
 * ``projected``: the alpha-beta step time on the target's fast and slow links
   (`commjax.aot`), and its ratio to the exact step's.
@@ -308,7 +309,7 @@ def measure_isolated(target: str, model: str, names: list, dump: Any, bucket: An
 
 
 def _ratios(rows: list) -> None:
-    base = {"mean": "exact", "zero": "zero_exact", "fsdp": "fsdp_exact"}
+    base = {"mean": "pmean", "zero": "zero_exact", "fsdp": "fsdp_exact"}
     by = {r["method"]: r for r in rows if "error" not in r}
     for r in rows:
         if "error" in r or "family" not in r:  # train-step rows: no ratios
@@ -376,8 +377,8 @@ def main(argv: Any = None) -> int:
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
     table_ = methods(bucket, jnp.dtype(args.residual_dtype))
     names = list(table_) if args.methods is None else args.methods.split(",")
-    if "exact" not in names and any(table_[n][1] == "mean" for n in names):
-        names = ["exact"] + names
+    if any(table_[n][1] == "mean" for n in names):  # the base and commjax's exact mean
+        names = [n for n in ("exact", "pmean") if n not in names] + names
     if args.isolate:
         rows = measure_isolated(args.target, args.model, names, args.dump, bucket, args.residual_dtype)
     else:

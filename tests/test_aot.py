@@ -575,7 +575,7 @@ def test_bench_target_buckets_and_bf16_residuals():
     saved = one[2]["arguments"] - split[2]["arguments"]
     assert abs(saved - grad / 2) <= 0.01 * grad, (saved, grad)
     assert len(split[2]["collectives"]) > len(one[2]["collectives"]) + 4
-    assert "x exact" in bench.target_table(split)
+    assert "x pmean" in bench.target_table(split)
 
 
 def _benchmark(name: str):
@@ -593,7 +593,8 @@ def _benchmark(name: str):
 def test_update_replaces_the_named_rows_and_keeps_the_others():
     """``benchmarks/aot.py --update``: the measured rows replace theirs (new ones are
     appended), the others stay with the commit that measured them, every ratio is taken
-    against the new exact row, and the file keeps the command that measures all rows."""
+    against the new ``pmean`` row (the exact step as written
+    without commjax), and the file keeps the command that measures all rows."""
     bench = _benchmark("aot")
 
     def row(method, traffic, temp, commit=None):
@@ -602,12 +603,12 @@ def test_update_replaces_the_named_rows_and_keeps_the_others():
         return r if commit is None else r | {"commit": commit}
 
     old = {"command": "python benchmarks/aot.py --model m", "commit": "aaa", "date": "d", "machine": {},
-           "target": "t", "model": "m", "rows": [row("exact", 100.0, 10.0), row("int8", 300.0, 30.0),
+           "target": "t", "model": "m", "rows": [row("pmean", 100.0, 10.0), row("int8", 300.0, 30.0),
                                                  row("sign", 200.0, 5.0)]}
     update = "python benchmarks/aot.py --model m --methods int8,fp8 --update"
-    got = bench._updated(old, [row("exact", 125.0, 10.0, "bbb"), row("int8", 150.0, 12.0, "bbb"),
+    got = bench._updated(old, [row("pmean", 125.0, 10.0, "bbb"), row("int8", 150.0, 12.0, "bbb"),
                                row("fp8", 250.0, 11.0, "bbb")], update)
-    assert [r["method"] for r in got["rows"]] == ["exact", "int8", "sign", "fp8"]
+    assert [r["method"] for r in got["rows"]] == ["pmean", "int8", "sign", "fp8"]
     assert [r["commit"] for r in got["rows"]] == ["bbb", "bbb", "aaa", "bbb"]
     assert [r["over_exact"] for r in got["rows"]] == [1.0, 1.2, 1.6, 2.0]
     assert got["rows"][1]["temp_over_exact_in_grads"] == pytest.approx(0.2)
