@@ -711,8 +711,8 @@ def compressed_mean(
         for PowerSGD, which factors whole matrices). The step's scratch memory is then
         one bucket's instead of the whole tree's, and on a TPU buckets of a few MB keep
         the codec's intermediates on chip: v5e, GPT-2-small in 16 MB buckets, int8 moves
-        1.29x the exact step's HBM traffic instead of 3.03x in one bucket, with less
-        scratch than the exact step (``docs/accelerators.md``).
+        1.97x the HBM traffic of the exact step (``lax.pmean``) instead of 4.61x in one
+        bucket, with 0.19 gradients of extra scratch (``docs/accelerators.md``).
         Each bucket sends its own exact all-reduce and payload (one more set of
         collectives per bucket) and draws its randomness from ``seed + k``. ``None``
         (default): one bucket.
