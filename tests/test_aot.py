@@ -571,7 +571,8 @@ def test_bench_target_buckets_and_bf16_residuals():
     grad = 4 * n
     assert [r["method"] for r in split] == ["exact", "pmean", "int8"]
     assert split[0]["traffic"] == one[0]["traffic"] and split[0]["arguments"] == one[0]["arguments"]
-    assert split[1]["wire"] == pytest.approx(split[0]["wire"], rel=1e-4) and split[1]["wire"] > split[2]["wire"]
+    # commjax's exact mean sends what lax.pmean does (no NaN flags: each mean tells).
+    assert split[1]["wire"] == pytest.approx(split[0]["wire"], rel=1e-9) and split[1]["wire"] > split[2]["wire"]
     saved = one[2]["arguments"] - split[2]["arguments"]
     assert abs(saved - grad / 2) <= 0.01 * grad, (saved, grad)
     assert len(split[2]["collectives"]) > len(one[2]["collectives"]) + 4

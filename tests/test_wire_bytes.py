@@ -72,8 +72,12 @@ def test_exact_mean_is_one_all_reduce_of_the_leaves_themselves():
     assert tx.init(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape), PARAMS)).residual == ()
     rep = update_collectives(tx, PARAMS, 8)
     assert len(rep.collectives) == 1 and rep.collectives[0].kind == "all-reduce", rep.table()
-    # The exact bucket (biases and NaN flags) and each of the four weight matrices.
+    # The exact bucket (the biases) and each of the four weight matrices.
     assert rep.collectives[0].dtypes == ("f32",) * 5
+    # No NaN flag rides along (each mean tells): exactly what lax.pmean of each leaf sends.
+    n = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(PARAMS))
+    assert rep.total_ring_bytes == cj.ring_bytes("all-reduce", 4 * n, 8)
+    assert cj.communication_plan(tx, PARAMS, 8).bytes_per_step == rep.total_ring_bytes
 
 
 @pytest.mark.parametrize("reducer", ["allgather", "two_phase"])
