@@ -169,6 +169,10 @@ def _options(bucket_bytes: Optional[int], residual_dtype: Any, check_finite: Any
     return out
 
 
+#: The label of the baseline row (``plain_mean`` + SGD) every ratio is taken against.
+_BASE = "pmean"
+
+
 def _runs(compressors: Sequence[str], options: dict, exact_label: str) -> list:
     """``(label, transform)`` of the exact row, the plain ``lax.pmean`` row
     ([`plain_mean`][commjax.bench.plain_mean]) and each compressor's, built before anything
@@ -176,7 +180,7 @@ def _runs(compressors: Sequence[str], options: dict, exact_label: str) -> list:
     unknown = sorted(set(compressors) - set(COMPRESSORS))
     if unknown:
         raise ValueError(f"bench: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
-    return ([(exact_label, _mean(identity(), {})), ("pmean", _then_sgd(plain_mean()))]
+    return ([(exact_label, _mean(identity(), {})), (_BASE, _then_sgd(plain_mean()))]
             + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors])
 
 
@@ -202,11 +206,11 @@ def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4
     for label, tx in runs:
         t, b = _time(data_parallel(_loss, tx, mesh), params, batch, steps)
         rows.append(Row(label, b, t))
-    exact = next(r for r in rows if r.method == "pmean")
-    bw = exact.bytes / (exact.step_s - t0) if exact.step_s > t0 else float("inf")
+    base = next(r for r in rows if r.method == _BASE)
+    bw = base.bytes / (base.step_s - t0) if base.step_s > t0 else float("inf")
     for r in rows:
-        r.speedup = exact.step_s / r.step_s
-        r.bound = exact.step_s / (t0 + r.bytes / bw) if bw > 0 else float("nan")
+        r.speedup = base.step_s / r.step_s
+        r.bound = base.step_s / (t0 + r.bytes / bw) if bw > 0 else float("nan")
     return rows
 
 
@@ -234,7 +238,7 @@ def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[st
         rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
         rep["method"] = label
         rows.append(rep)
-    base = next(r for r in rows if r["method"] == "pmean")
+    base = next(r for r in rows if r["method"] == _BASE)
     for r in rows:
         for key in ("traffic", "temp", "wire", "projected_fast_s", "projected_slow_s"):
             r[f"{key}_vs_exact"] = r[key] / base[key] if base[key] else float("nan")
