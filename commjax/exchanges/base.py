@@ -34,7 +34,7 @@ class Factored:
 
 
 def dense(local: Any) -> jax.Array:
-    """``local`` as an array (a ``commjax.exchanges.base.Factored`` formed)."""
+    """``local`` as an array (a [`Factored`][commjax.exchanges.base.Factored] formed)."""
     return local.dense() if isinstance(local, Factored) else local
 
 
@@ -58,7 +58,7 @@ class Exchange:
         """One step: ``(means, locals, new_state, finite)``, per segment arrays in the
         shapes of ``parts`` (each its leaf's shape, unpadded) and a boolean scalar;
         ``means`` identical on every replica, ``locals`` what error feedback subtracts from
-        this replica's input (an array, or a ``commjax.exchanges.base.Factored``
+        this replica's input (an array, or a [`Factored`][commjax.exchanges.base.Factored]
         one), ``finite`` whether the segment's mean is finite (identical on every replica;
         the transform flags the leaf and keeps its residual where it is not). ``axis_name=None``: one replica, no collective.
         ``shared_key``: this step's key, ``init_key``: the key ``init_state`` was given,

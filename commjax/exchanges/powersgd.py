@@ -116,7 +116,7 @@ class _Step:
         factors (``raw``: per group, ``[G, k, r]`` arrays) must be finite, since an overflow
         would otherwise be orthogonalized away into a silent zero, and so must the bound
         of ``product_finite`` on the product. ``factored``: the locals as
-        ``commjax.exchanges.base.Factored`` ``(P, Q)`` (not under a conditional
+        [`Factored`][commjax.exchanges.base.Factored] ``(P, Q)`` (not under a conditional
         of this exchange, whose branches must return arrays of one structure)."""
         mean, finite = [None] * len(self.segments), [None] * len(self.segments)
         local = [None] * len(self.segments)
@@ -188,7 +188,7 @@ class PowerSGDExchange(Exchange):
         view of its own part (``parts`` in the leaves' shapes, unpadded), and its ``M_hat``
         is returned as its own array in the part's shape. Returns
         ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase, the second ``M_hat``
-        a ``commjax.exchanges.base.Factored`` ``(P, Q)`` where no phase
+        a [`Factored`][commjax.exchanges.base.Factored] ``(P, Q)`` where no phase
         conditional is needed (error feedback keeps ``x - M_hat``; ``finite`` per segment
         from the factors, see ``_Step.finish``)
         and ``(mean, x, state, finite)`` in the warm-up (no residual builds up; ``finite``
