@@ -372,7 +372,7 @@ class _Compressed(NamedTuple):
     # exchange's factors (None: sparse codecs, whose finite inputs give finite means)
     kept: bool = False  # residuals already the old ones where flagged (all the flags known
     # before the exchange, finite None): not selected again
-    # An exchange's (part, M_hat) per leaf, from which ``_exchange_residual`` forms the
+    # An exchange's (part, M_hat) per leaf, from which ``_exchange_residuals`` forms the
     # new residual again (None: block and sparse codecs).
     residual_terms: Any = None
 
@@ -521,9 +521,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     new_residual = state.residual
     if comp is not None and comp.residuals and comp.residual_terms is not None and cfg.check_finite:
         reset = cfg.on_nonfinite == "reset"
-        return out, tuple(
-            _exchange_residual(old, part, local, flag, reset=reset, tpu_branch=cfg.in_buckets and not reset)
-            for old, (part, local), flag in zip(state.residual, comp.residual_terms, bad))
+        return out, tuple(_exchange_residual(old, part, local, flag, reset=reset, tpu_branch=cfg.in_buckets and not reset)
+                          for old, (part, local), flag in zip(state.residual, comp.residual_terms, bad))
     if comp is not None and comp.residuals:
         ravel, unravel = _flat_order(cfg)
         new_residual = tuple(unravel(
@@ -540,12 +539,12 @@ def _exchange_residual(old: jax.Array, part: jax.Array, local: Any, flagged: jax
     the ``x`` that was factored) and ``M_hat`` formed from its factors where ``local``
     holds them.
 
-    On GPU, and on TPU with ``tpu_branch`` (keeping, in a bucket of several), a
-    conditional: the common branch reads the gradient, the old residual and the small
-    factors once and writes the new residual; neither ``M_hat`` nor ``x`` is written
-    (H100 update step, PowerSGD r4, keeping: 21M MLP 849 -> 681 MB of HBM traffic, GPT-2
-    small 5,962 -> 4,415 MB; v5e in 4 MB buckets: 621 -> 556 MB and 3,279 -> 2,967 MB;
-    no more scratch). Elsewhere a select: on a v5e the conditional cost the MLP's step in one
+    On GPU, and on TPU with ``tpu_branch`` (keeping, in a bucket of several), a conditional: the
+    common branch reads the gradient, the old residual and the small factors once and
+    writes the new residual, and neither ``M_hat`` nor ``x`` is written out (H100 update
+    step, PowerSGD r4, keeping: 21M MLP 849 -> 681 MB of HBM traffic, GPT-2 small 5,962
+    -> 4,415 MB; v5e in 4 MB buckets: 621 -> 556 MB and 3,279 -> 2,967 MB; no more
+    scratch). Elsewhere a select: on a v5e the conditional cost the MLP's step in one
     bucket 506 -> 706 MB (GPT-2 small 4,860 -> 3,999 MB), and resetting in 4 MB buckets
     554 -> 640 MB; the CPU is not measured for it."""
     branch = functools.partial(_residual_by_branch, reset=reset)

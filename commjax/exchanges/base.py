@@ -59,8 +59,8 @@ class Exchange:
         shapes of ``parts`` (each its leaf's shape, unpadded) and a boolean scalar;
         ``means`` identical on every replica, ``locals`` what error feedback subtracts from
         this replica's input (an array, or a [`Factored`][commjax.exchanges.base.Factored]
-        one), ``finite`` whether the segment's mean is finite (identical on every replica;
-        the transform flags the leaf and keeps its residual where it is not). ``axis_name=None``: one replica, no collective.
+        one), ``finite`` whether the segment's mean is finite (identical on every replica; the transform flags the leaf
+        and keeps its residual where it is not). ``axis_name=None``: one replica, no collective.
         ``shared_key``: this step's key, ``init_key``: the key ``init_state`` was given,
         both replica 0's (the same on every replica even if processes were seeded apart)."""
         raise NotImplementedError

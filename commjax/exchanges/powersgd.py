@@ -189,8 +189,7 @@ class PowerSGDExchange(Exchange):
         is returned as its own array in the part's shape. Returns
         ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase, the second ``M_hat``
         a [`Factored`][commjax.exchanges.base.Factored] ``(P, Q)`` where no phase
-        conditional is needed (error feedback keeps ``x - M_hat``; ``finite`` per segment
-        from the factors, see ``_Step.finish``)
+        conditional is needed (error feedback keeps ``x - M_hat``; ``finite`` per segment from the factors, see ``_Step.finish``)
         and ``(mean, x, state, finite)`` in the warm-up (no residual builds up; ``finite``
         read from the mean)."""
         step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key, init_key)
