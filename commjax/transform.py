@@ -521,8 +521,8 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     new_residual = state.residual
     if comp is not None and comp.residuals and comp.residual_terms is not None and cfg.check_finite:
         reset = cfg.on_nonfinite == "reset"
-        return out, tuple(_exchange_residual(old, part, local, flag, reset=reset, tpu_branch=cfg.in_buckets and not reset)
-                          for old, (part, local), flag in zip(state.residual, comp.residual_terms, bad))
+        return out, tuple(_exchange_residual(old, part, local, flag, reset=reset) for old, (part, local), flag
+                          in zip(state.residual, comp.residual_terms, bad))
     if comp is not None and comp.residuals:
         ravel, unravel = _flat_order(cfg)
         new_residual = tuple(unravel(
@@ -533,24 +533,19 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
 
 
 def _exchange_residual(old: jax.Array, part: jax.Array, local: Any, flagged: jax.Array, *,
-                       reset: bool, tpu_branch: bool) -> jax.Array:
+                       reset: bool) -> jax.Array:
     """An exchange's (PowerSGD's) new residual: on a flagged leaf ``old`` (zero if
     ``reset``), else ``x - M_hat`` with ``x = part + old`` formed again (the same bits as
     the ``x`` that was factored) and ``M_hat`` formed from its factors where ``local``
-    holds them.
-
-    On GPU, and on TPU with ``tpu_branch`` (keeping, in a bucket of several), a conditional: the
-    common branch reads the gradient, the old residual and the small factors once and
-    writes the new residual, and neither ``M_hat`` nor ``x`` is written out (H100 update
-    step, PowerSGD r4, keeping: 21M MLP 849 -> 681 MB of HBM traffic, GPT-2 small 5,962
-    -> 4,415 MB; v5e in 4 MB buckets: 621 -> 556 MB and 3,279 -> 2,967 MB; no more
-    scratch). Elsewhere a select: on a v5e the conditional cost the MLP's step in one
-    bucket 506 -> 706 MB (GPT-2 small 4,860 -> 3,999 MB), and resetting in 4 MB buckets
-    554 -> 640 MB; the CPU is not measured for it."""
+    holds them. On GPU a conditional: the common branch reads the gradient, the old
+    residual and the small factors once and writes the new residual, and neither ``M_hat``
+    nor ``x`` is written out (H100 update step, PowerSGD r4, keeping: 21M MLP 849 ->
+    681 MB of HBM traffic, GPT-2 small 5,962 -> 4,415 MB, no more scratch). Elsewhere a
+    select: on a v5e the conditional cost the MLP's step 506 -> 706 MB (GPT-2 small
+    4,860 -> 3,999 MB, with 0.98 gradients more scratch); the CPU is not measured for it."""
     branch = functools.partial(_residual_by_branch, reset=reset)
     select = functools.partial(_residual_by_select, reset=reset)
-    return lax.platform_dependent(old, part, local, flagged, cuda=branch, rocm=branch,
-                                  tpu=branch if tpu_branch else select, default=select)
+    return lax.platform_dependent(old, part, local, flagged, cuda=branch, rocm=branch, default=select)
 
 
 def _fresh_residual(old, part, local):
