@@ -43,7 +43,6 @@ from commjax.collectives._exact import exact_mean
 from commjax.collectives._reducers import check_reducer, reduce_parts
 from commjax.compressors.base import Compressor
 from commjax.exchanges import exchange_for
-from commjax.exchanges.base import dense
 from commjax.guards import AxisNotBoundError
 from commjax.layout import per_replica
 from commjax.accounting import with_plan
@@ -414,7 +413,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
             cfg.compressor, xs, segs, state.compressor_state,
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
             shared_key=keys[0], init_key=keys[2], count=state.count)
-        new_res = [] if residuals is None else [x - dense(l) for x, l in zip(xs, locals_)]
+        new_res = [] if residuals is None else [x - l for x, l in zip(xs, locals_)]
         terms = None if residuals is None else list(zip(parts, locals_))
         return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite,
                            residual_terms=terms)
@@ -519,9 +518,9 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
             m = m + jnp.where(bad[k], jnp.nan, 0.0)
         out[i] = unravel(m, seg.shape).astype(leaves[i].dtype)
     new_residual = state.residual
-    if comp is not None and comp.residuals and comp.residual_terms is not None and cfg.check_finite:
-        reset = cfg.on_nonfinite == "reset"
-        return out, tuple(_exchange_residual(old, part, local, flag, reset=reset) for old, (part, local), flag
+    if (comp is not None and comp.residuals and comp.residual_terms is not None and cfg.check_finite
+            and cfg.on_nonfinite == "keep"):
+        return out, tuple(_exchange_residual(old, part, local, flag) for old, (part, local), flag
                           in zip(state.residual, comp.residual_terms, bad))
     if comp is not None and comp.residuals:
         ravel, unravel = _flat_order(cfg)
@@ -532,36 +531,28 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     return out, new_residual
 
 
-def _exchange_residual(old: jax.Array, part: jax.Array, local: Any, flagged: jax.Array, *,
-                       reset: bool) -> jax.Array:
-    """An exchange's (PowerSGD's) new residual: on a flagged leaf ``old`` (zero if
-    ``reset``), else ``x - M_hat`` with ``x = part + old`` formed again (the same bits as
-    the ``x`` that was factored) and ``M_hat`` formed from its factors where ``local``
-    holds them. On GPU a conditional: the common branch reads the gradient, the old
-    residual and the small factors once and writes the new residual, and neither ``M_hat``
-    nor ``x`` is written out (H100 update step, PowerSGD r4, keeping: 21M MLP 849 ->
-    681 MB of HBM traffic, GPT-2 small 5,962 -> 4,415 MB, no more scratch). Elsewhere a
-    select: on a v5e the conditional cost the MLP's step 506 -> 706 MB (GPT-2 small
-    4,860 -> 3,999 MB, with 0.98 gradients more scratch); the CPU is not measured for it."""
-    branch = functools.partial(_residual_by_branch, reset=reset)
-    select = functools.partial(_residual_by_select, reset=reset)
-    return lax.platform_dependent(old, part, local, flagged, cuda=branch, rocm=branch, default=select)
+def _exchange_residual(old: jax.Array, part: jax.Array, local: jax.Array, flagged: jax.Array) -> jax.Array:
+    """An exchange's (PowerSGD's) new residual in ``"keep"`` mode: ``old`` on a flagged
+    leaf, else ``x - M_hat`` with ``x = part + old`` formed again (the same bits as the
+    ``x`` that was factored). On GPU a conditional: the common branch computes the new
+    residual without reading the old one a second time, as ``"reset"`` does (H100 update
+    step, PowerSGD r4: 21M MLP 849 -> 765 MB of HBM traffic, GPT-2 small 5,962 -> 4,911 MB,
+    no more scratch). Elsewhere a select: on a v5e the conditional cost the MLP's step
+    506 -> 772 MB (GPT-2 small 4,860 -> 4,012 MB); the CPU is not measured for it."""
+    return lax.platform_dependent(old, part, local, flagged, cuda=_residual_by_branch,
+                                  rocm=_residual_by_branch, default=_residual_by_select)
 
 
 def _fresh_residual(old, part, local):
-    return ((part + old.astype(jnp.float32)) - dense(local)).astype(old.dtype)
+    return ((part + old.astype(jnp.float32)) - local).astype(old.dtype)
 
 
-def _flagged(old, reset: bool):
-    return jnp.zeros_like(old) if reset else old
+def _residual_by_branch(old, part, local, flagged):
+    return lax.cond(flagged, lambda o, p, l: o, _fresh_residual, old, part, local)
 
 
-def _residual_by_branch(old, part, local, flagged, *, reset: bool = False):
-    return lax.cond(flagged, lambda o, p, l: _flagged(o, reset), _fresh_residual, old, part, local)
-
-
-def _residual_by_select(old, part, local, flagged, *, reset: bool = False):
-    return jnp.where(flagged, _flagged(old, reset), _fresh_residual(old, part, local))
+def _residual_by_select(old, part, local, flagged):
+    return jnp.where(flagged, old, _fresh_residual(old, part, local))
 
 
 def _flagged_residual(cfg: ExchangeConfig, old: jax.Array):

@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 
 from commjax.compressors.base import Compressor, Segment
 
-__all__ = ["Exchange", "Factored", "dense"]
-
-
-@jax.tree_util.register_pytree_node_class
-class Factored:
-    """A local estimate kept as the small arrays it is formed from: ``product(*factors)``
-    in ``shape`` (PowerSGD: ``P Q^T`` from ``P`` and ``Q``). A consumer that runs under a
-    conditional forms it there, from the factors, instead of receiving the ``m x n`` array
-    as an operand, which the compiler would have to write out first. A pytree whose leaves
-    are the factors."""
-
-    def __init__(self, factors: tuple, product: Callable, shape: tuple):
-        self.factors, self.product, self.shape = tuple(factors), product, tuple(shape)
-
-    def dense(self) -> jax.Array:
-        return self.product(*self.factors).reshape(self.shape)
-
-    def tree_flatten(self):
-        return self.factors, (self.product, self.shape)
-
-    @classmethod
-    def tree_unflatten(cls, aux, factors):
-        return cls(tuple(factors), *aux)
-
-
-def dense(local: Any) -> jax.Array:
-    """``local`` as an array (a [`Factored`][commjax.exchanges.base.Factored] formed)."""
-    return local.dense() if isinstance(local, Factored) else local
+__all__ = ["Exchange"]
 
 
 class Exchange:
@@ -58,8 +31,7 @@ class Exchange:
         """One step: ``(means, locals, new_state, finite)``, per segment arrays in the
         shapes of ``parts`` (each its leaf's shape, unpadded) and a boolean scalar;
         ``means`` identical on every replica, ``locals`` what error feedback subtracts from
-        this replica's input (an array, or a [`Factored`][commjax.exchanges.base.Factored]
-        one), ``finite`` whether the segment's mean is finite (identical on every replica; the transform flags the leaf
+        this replica's input, ``finite`` whether the segment's mean is finite (identical on every replica; the transform flags the leaf
         and keeps its residual where it is not). ``axis_name=None``: one replica, no collective.
         ``shared_key``: this step's key, ``init_key``: the key ``init_state`` was given,
         both replica 0's (the same on every replica even if processes were seeded apart)."""

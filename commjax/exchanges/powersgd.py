@@ -28,7 +28,7 @@ from commjax.compressors.powersgd import (
     shared_uniform,
     transposed_product,
 )
-from commjax.exchanges.base import Exchange, Factored
+from commjax.exchanges.base import Exchange
 
 __all__ = ["PowerSGDExchange", "fused_mean", "product_finite"]
 
@@ -110,32 +110,26 @@ class _Step:
     def left(self, ms, ps):  # [G, n, r] = M_j^T P_j
         return jnp.stack([transposed_product(m, ps[j]) for j, m in enumerate(ms)])
 
-    def finish(self, ps, qs, new_state, raw, factored: bool = False):
+    def finish(self, ps, qs, new_state, raw):
         """``M_hat = P Q^T`` per leaf, and per leaf whether it is finite, decided from the
         small factors alone (replicated, so every replica decides the same): the all-reduced
         factors (``raw``: per group, ``[G, k, r]`` arrays) must be finite, since an overflow
         would otherwise be orthogonalized away into a silent zero, and so must the bound
-        of ``product_finite`` on the product. ``factored``: the locals as
-        [`Factored`][commjax.exchanges.base.Factored] ``(P, Q)`` (not under a conditional
-        of this exchange, whose branches must return arrays of one structure)."""
+        of ``product_finite`` on the product."""
         mean, finite = [None] * len(self.segments), [None] * len(self.segments)
-        local = [None] * len(self.segments)
-        vary = (lambda a: a) if self.axis is None else (lambda a: _compat.vary(a, self.axis))
         for gi, (g, p, q) in enumerate(zip(self.groups, ps, qs)):
             for j, i in enumerate(g.members):
-                shape = self.leaves[i].shape
-                mean[i] = low_rank_product(p[j], q[j]).reshape(shape)
-                local[i] = (Factored((vary(p[j]), vary(q[j])), low_rank_product, shape) if factored
-                            else vary(mean[i]))
+                mean[i] = low_rank_product(p[j], q[j]).reshape(self.leaves[i].shape)
                 finite[i] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f[gi][j])) for f in raw]
                                               + [product_finite(p[j], q[j])]))
+        local = mean if self.axis is None else [_compat.vary(m, self.axis) for m in mean]
         return mean, local, new_state, finite
 
     def warmup(self, _):
         means = self.mean(self.leaves)
         return means, list(self.leaves), self.state, [guards.all_finite(m) for m in means]
 
-    def both(self, _, factored: bool = False):
+    def both(self, _):
         c = self.c
         qs = []
         for gi, g in enumerate(self.groups):
@@ -148,7 +142,7 @@ class _Step:
         ps = c.orth_all(raw)
         qs = self.mean([self.left(ms, p) for ms, p in zip(self.mats, ps)])
         new = PowerSGDState(q=tuple(qs), p=()) if c.warm_start else self.state
-        return self.finish(ps, qs, new, (raw, qs), factored)
+        return self.finish(ps, qs, new, (raw, qs))
 
     def first_q(self):
         """The ``Q`` of the first P-step redrawn from replica 0's initial key: the stored
@@ -187,9 +181,8 @@ class PowerSGDExchange(Exchange):
         """Exact mean in the warm-up, then PowerSGD, leaf by leaf: each leaf's matrix is a
         view of its own part (``parts`` in the leaves' shapes, unpadded), and its ``M_hat``
         is returned as its own array in the part's shape. Returns
-        ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase, the second ``M_hat``
-        a [`Factored`][commjax.exchanges.base.Factored] ``(P, Q)`` where no phase
-        conditional is needed (error feedback keeps ``x - M_hat``; ``finite`` per segment from the factors, see ``_Step.finish``)
+        ``(M_hat, M_hat, new_state, finite)`` in the PowerSGD phase (error feedback keeps
+        ``x - M_hat``; ``finite`` per segment from the factors, see ``_Step.finish``)
         and ``(mean, x, state, finite)`` in the warm-up (no residual builds up; ``finite``
         read from the mean)."""
         step = _Step(codec, parts, segments, state, axis_name, num_replicas, shared_key, init_key)
@@ -197,7 +190,7 @@ class PowerSGDExchange(Exchange):
         start = codec.start_step
         if not codec.alternating:
             if start == 0:
-                return step.both(None, factored=True)
+                return step.both(None)
             return lax.cond(count < start, step.warmup, step.both, None)
         step.first = count == start
         phase = jnp.remainder(jnp.maximum(count - start, 0), 2)  # 0: P-step, 1: Q-step
