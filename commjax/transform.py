@@ -371,9 +371,6 @@ class _Compressed(NamedTuple):
     # exchange's factors (None: sparse codecs, whose finite inputs give finite means)
     kept: bool = False  # residuals already the old ones where flagged (all the flags known
     # before the exchange, finite None): not selected again
-    # An exchange's (part, M_hat) per leaf, from which ``_exchange_residuals`` forms the
-    # new residual again (None: block and sparse codecs).
-    residual_terms: Any = None
 
 
 def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _Compressed:
@@ -414,9 +411,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
             axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
             shared_key=keys[0], init_key=keys[2], count=state.count)
         new_res = [] if residuals is None else [x - l for x, l in zip(xs, locals_)]
-        terms = None if residuals is None else list(zip(parts, locals_))
-        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite,
-                           residual_terms=terms)
+        return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite)
     server = state.server_residual if plan.server_residual_size else None
     # Leaves flagged before the exchange keep their residuals: a reducer may select them
     # itself, ahead of the exchange (``PartsResult.kept``).
@@ -518,10 +513,6 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
             m = m + jnp.where(bad[k], jnp.nan, 0.0)
         out[i] = unravel(m, seg.shape).astype(leaves[i].dtype)
     new_residual = state.residual
-    if (comp is not None and comp.residuals and comp.residual_terms is not None and cfg.check_finite
-            and cfg.on_nonfinite == "keep"):
-        return out, tuple(_exchange_residual(old, part, local, flag) for old, (part, local), flag
-                          in zip(state.residual, comp.residual_terms, bad))
     if comp is not None and comp.residuals:
         ravel, unravel = _flat_order(cfg)
         new_residual = tuple(unravel(
@@ -529,30 +520,6 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
              if cfg.check_finite and not comp.kept else e).astype(cfg.residual_dtype),
             seg.shape) for k, (e, seg) in enumerate(zip(comp.residuals, plan.segments)))
     return out, new_residual
-
-
-def _exchange_residual(old: jax.Array, part: jax.Array, local: jax.Array, flagged: jax.Array) -> jax.Array:
-    """An exchange's (PowerSGD's) new residual in ``"keep"`` mode: ``old`` on a flagged
-    leaf, else ``x - M_hat`` with ``x = part + old`` formed again (the same bits as the
-    ``x`` that was factored). On GPU a conditional: the common branch computes the new
-    residual without reading the old one a second time, as ``"reset"`` does (H100 update
-    step, PowerSGD r4: 21M MLP 849 -> 765 MB of HBM traffic, GPT-2 small 5,962 -> 4,911 MB,
-    no more scratch). Elsewhere a select: on a v5e the conditional cost the MLP's step
-    506 -> 772 MB (GPT-2 small 4,860 -> 4,012 MB); the CPU is not measured for it."""
-    return lax.platform_dependent(old, part, local, flagged, cuda=_residual_by_branch,
-                                  rocm=_residual_by_branch, default=_residual_by_select)
-
-
-def _fresh_residual(old, part, local):
-    return ((part + old.astype(jnp.float32)) - local).astype(old.dtype)
-
-
-def _residual_by_branch(old, part, local, flagged):
-    return lax.cond(flagged, lambda o, p, l: o, _fresh_residual, old, part, local)
-
-
-def _residual_by_select(old, part, local, flagged):
-    return jnp.where(flagged, old, _fresh_residual(old, part, local))
 
 
 def _flagged_residual(cfg: ExchangeConfig, old: jax.Array):

@@ -644,23 +644,3 @@ def test_residuals_are_kept_in_the_leaves_shapes():
             np.testing.assert_allclose(np.asarray(mean[leaf]) + np.asarray(e), np.asarray(g[leaf]) + np.asarray(o),
                                        rtol=0, atol=1e-5)
         assert float(jnp.max(jnp.abs(state.residual[1]))) > 0  # rank 2 of a 48 x 40 leaf is lossy
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kept_residual_is_the_same_by_branch_and_by_select(dtype):
-    """The GPU's conditional and the other backends' select give the same new residual:
-    the old one on a flagged leaf, else ``(part + old) - M_hat`` rounded to its dtype."""
-    from commjax.transform import _residual_by_branch, _residual_by_select
-
-    k = jax.random.split(jax.random.PRNGKey(3), 3)
-    old = (jax.random.normal(k[0], (64, 48)) * 1e3).astype(dtype)
-    part = jax.random.normal(k[1], (64, 48)) * 1e-3
-    local = jax.random.normal(k[2], (64, 48))
-    for flagged in (False, True):
-        f = jnp.asarray(flagged)
-        by_branch = jax.jit(_residual_by_branch)(old, part, local, f)
-        by_select = jax.jit(_residual_by_select)(old, part, local, f)
-        want = old if flagged else ((part + old.astype(jnp.float32)) - local).astype(dtype)
-        assert by_branch.dtype == by_select.dtype == dtype
-        np.testing.assert_array_equal(np.asarray(by_branch, np.float32), np.asarray(want, np.float32))
-        np.testing.assert_array_equal(np.asarray(by_select, np.float32), np.asarray(want, np.float32))
