@@ -25,7 +25,7 @@ they run on some steps only (a codec's overflow fallback). The cheapest branch o
 counts as every step's, so a conditional whose *costly* branch is the common one (work
 skipped only when a rare check fires) is undercounted: such a step's traffic is
 ``straight + branch_bytes``. (PowerSGD's kept residual formed in a conditional's common
-branch looked 19-26% cheaper by ``straight`` alone and was 10-28% costlier in all.)
+branch looked 10-26% cheaper by ``straight`` alone and was 8-27% costlier in all.)
 """
 
 from __future__ import annotations
