@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
-from commjax import _compat
+from commjax import _compat, bucket
 from commjax.bucketing import BucketedState, Piece, bucket_groups
 
 N = 8
@@ -78,12 +78,17 @@ def test_split_cuts_large_leaves_into_row_ranges():
     assert Piece(0) == Piece(0, None)
 
 
+@pytest.mark.parametrize("order", ["rows", "tiles"])
 @pytest.mark.parametrize("bucket_bytes", [20_000, 4096], ids=["whole_leaves", "split_leaves"])
-def test_buckets_give_the_bits_of_one_bucket(mesh, bucket_bytes):
+def test_buckets_give_the_bits_of_one_bucket(mesh, monkeypatch, bucket_bytes, order):
     """A deterministic codec through the all-gather reducer encodes each leaf on its own
     (leaves padded to whole blocks), so the means and residuals of the buckets are those
     of one bucket, bit for bit, every replica the same; also when the 64x64 leaf and the
-    2048-vector are cut into pieces (at 4096 bytes: 16-row pieces, whole 256-blocks)."""
+    2048-vector are cut into pieces (at 4096 bytes: 16-row pieces, whole 256-blocks).
+    Also with the parts in a TPU's tile order (``order="tiles"``), where buckets select
+    the new residuals in the leaves' shapes and one bucket in the parts' order."""
+    if order == "tiles":
+        monkeypatch.setattr(bucket, "_by_layout", lambda x, tiled_fn, flat_fn: tiled_fn(x))
     grads = _tree()
     opts = dict(reducer="allgather", min_compress_size=64)
     one, s1, _ = _step(cj.compressed_mean(cj.quantize(8, stochastic=False), AX, **opts), mesh, grads)
@@ -145,12 +150,17 @@ def test_bucket_bytes_is_checked(bad):
         cj.compressed_mean(cj.quantize(8), AX, bucket_bytes=bad)
 
 
-def test_reset_in_buckets_zeroes_only_the_flagged_piece(mesh):
+@pytest.mark.parametrize("order", ["rows", "tiles"])
+def test_reset_in_buckets_zeroes_only_the_flagged_piece(mesh, monkeypatch, order):
     """``check_finite="reset"`` with a leaf cut into pieces: a NaN in one replica's ``b``
     (the 64x64 leaf, cut into four 16-row pieces at 4096 bytes), row 5, makes that
     piece's mean NaN, as with the default (each piece is a leaf of its bucket); that
     piece restarts its residual from zero where the default keeps it, every other
-    residual is the default's, and the means are the default's bit for bit."""
+    residual is the default's, and the means are the default's bit for bit. Also with
+    the parts in a TPU's tile order (``order="tiles"``), where the new residuals are
+    selected in the leaves' shapes, not in the parts' order."""
+    if order == "tiles":
+        monkeypatch.setattr(bucket, "_by_layout", lambda x, tiled_fn, flat_fn: tiled_fn(x))
     grads = _tree()
     bad = dict(grads)
     bad["b"] = bad["b"].at[3, 5, 7].set(jnp.nan)
