@@ -28,8 +28,13 @@ them to HBM and reading them back (``python benchmarks/aot.py --bucket-mb 4``; n
 Without the barrier the compiler schedules every bucket's encode before any exchange,
 which keeps every bucket's intermediates alive at once; and the means must leave
 through the barrier, not around it, or the compiler decodes them a second time where the
-optimizer reads them. A cut leaf goes through the barriers whole and is sliced after
-them: a slice taken before one would be copied out to be its operand.
+optimizer reads them. PowerSGD's are the exception: its mean ``P Q^T`` is a product of
+two small factors that the optimizer's pass forms again where it reads it, so the means
+leave around the barrier (the residuals, which need the whole exchange, order the
+buckets); through it, each was written out and read back (v5e, 21M-parameter MLP in
+4 MB buckets, PowerSGD r4: 621 MB a step through the barrier, 487 around it). A cut
+leaf goes through the barriers whole and is sliced after them: a slice taken before one
+would be copied out to be its operand.
 """
 
 from __future__ import annotations
@@ -153,10 +158,12 @@ def _with_carried(state: Any, carried: Any) -> Any:
 
 
 def bucketed(make: Callable[[int], optax.GradientTransformation], bucket_bytes: int,
-             name: str, *, split: bool = False) -> optax.GradientTransformation:
+             name: str, *, split: bool = False, means_around: bool = False) -> optax.GradientTransformation:
     """``make(k)`` (the transform of bucket ``k``) run on buckets of the leaves, one after
     the other (module docstring). ``split``: cut leaves larger than a bucket into row
-    ranges (``leaf_pieces``). ``name``: the plan's transform name."""
+    ranges (``leaf_pieces``). ``name``: the plan's transform name. ``means_around``: the
+    means are cheap to form again where they are read (PowerSGD's ``P Q^T``), so they
+    leave around the barrier when residuals are there to order the buckets."""
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves(params)
@@ -182,12 +189,15 @@ def bucketed(make: Callable[[int], optax.GradientTransformation], bucket_bytes: 
             if previous is not None:
                 (done, carried), fresh = _chained(previous, [current[i] for i in need])
                 states[-1] = _with_carried(states[-1], carried)
-                means.update(zip(groups[k - 1], done))  # the barrier's: not decoded again later
+                if done:  # the barrier's: not decoded again later
+                    means.update(zip(groups[k - 1], done))
                 current = [dict(zip(need, fresh)).get(i, v) for i, v in enumerate(current)]
             out, new = make(k).update([_cut(current[p.leaf], p) for p in g], s)
             means.update(zip(g, out))
             states.append(new)
-            previous = (list(out), _carried(new))
+            carried = _carried(new)
+            around = means_around and bool(jax.tree_util.tree_leaves(carried))
+            previous = ([] if around else list(out), carried)
         return jax.tree_util.tree_unflatten(treedef, _joined(leaves, means)), BucketedState(tuple(states))
 
     def plan(params, num_replicas: int, **options) -> CommunicationPlan:

@@ -762,7 +762,7 @@ def compressed_mean(
         validation.check_positive_int("bucket_bytes", bucket_bytes, factory="compressed_mean")
         return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
                         int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
-                        split=not compressor.has_exchange)
+                        split=not compressor.has_exchange, means_around=compressor.has_exchange)
     return _one_bucket(compressor, axis_name, seed=seed, in_buckets=False, **options)
 
 
