@@ -287,6 +287,37 @@ def test_nonfinite_gradient_keeps_the_factors(base_step):
         assert rel(u[k][0], np.asarray(grads[k], np.float64).mean(0)) < 1e-4
 
 
+def test_the_gpu_form_of_the_products_recovers_the_mean_and_keeps_residuals(mesh, monkeypatch):
+    """On GPU ``M Q`` and ``M^T P`` of ``M = g + e`` are formed as ``g Q + e Q`` (the
+    sum is not written out), forced here on CPU: low-rank means still come back on every
+    replica alike, and a step flagged by a NaN keeps that leaf's residual bit for bit."""
+    from commjax.exchanges import powersgd as exchange
+
+    used = []
+
+    def apart_only(g, e, f, *, apart, summed):
+        used.append(g.shape)
+        return apart(g, e, f)
+
+    monkeypatch.setattr(exchange, "_by_platform", apart_only)
+    step, state = make_step(cj.compressed_mean(powersgd(4), AXIS, min_compress_size=64), _params(), mesh)
+    for t in range(3):
+        grads = _grads(20 + t)
+        u, state = run(step, state, grads)
+        assert used, "the products were not formed from g and e apart"
+        assert identical_across_replicas(u)
+        for k in RANKS:
+            assert rel(u[k][0], np.asarray(grads[k], np.float64).mean(0)) < 1e-4, (t, k)
+    before = jax.device_get(state.residual)
+    bad = dict(_grads(30))
+    bad["a"] = bad["a"].at[3, 0, 0].set(jnp.nan)
+    u, state = run(step, state, bad)
+    assert np.all(np.isnan(u["a"])) and np.all(np.isfinite(u["b"]))
+    after = jax.device_get(state.residual)
+    kept = [np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(before, after)]
+    assert kept.count(True) == 1, kept  # only the flagged leaf's residual is the old one
+
+
 def test_half_precision_gradients(mesh):
     """bf16 and fp16 leaves: factors in fp32, updates in the leaf dtype, mean recovered
     to the leaf dtype's precision."""
