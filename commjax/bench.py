@@ -5,7 +5,7 @@
     python -m commjax.bench --params 200e6 --distributed        # one process per host
     python -m commjax.bench --target v5e:2x4 --params 1e9       # deviceless: no accelerator
     python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 16 --residual-dtype bfloat16
-    python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 4 --check-finite reset
+    python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 4
 
 With ``--target`` nothing runs: each step is compiled for that TPU topology or GPU target
 from this machine ([`commjax.aot`][]; ``pip install 'commjax[aot]'``) and the table gives
