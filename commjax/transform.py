@@ -526,25 +526,34 @@ def _finish_leaves(cfg, leaves, plan, state, exact: _Exact, comp: Optional[_Comp
     return out, new_residual
 
 
+#: Leaves (bucket pieces) of at most this many fp32 bytes select a kept residual in their
+#: own shape (``_new_residual``).
+_SHAPED_SELECT_BYTES = 4 << 20
+
+
 def _new_residual(cfg: ExchangeConfig, old: jax.Array, e: jax.Array, bad: Optional[jax.Array],
                   shape: tuple) -> jax.Array:
     """A compressed leaf's new residual in its shape and ``residual_dtype``: ``e`` (in the
     part's order), or where ``bad`` what ``_flagged_residual`` makes of ``old``.
 
-    The select is taken in the part's order for a whole step and in the leaf's shape in
-    buckets, which is where each is cheaper on a v5e (21M-parameter MLP, ``"keep"``): in
-    buckets of 4 MB the part's order moved int8 698 MB a step, int4 744, bf16 488
-    against 447, 447 and 446 in the leaf's shape; in one bucket the leaf's shape moved
-    int4 910 MB against 814 and bf16 1,226 against 706. On GPU and CPU the two orders are
-    the same (``commjax.bucket.ravel_leaf``), and on every backend the same bits."""
+    Kept residuals of leaves in buckets of at most ``_SHAPED_SELECT_BYTES`` are selected
+    in the leaf's shape, the others in the part's order: each where a v5e moves less.
+    21M-parameter MLP, 4 MB buckets: int8 698 MB a step, int4 744, bf16 488 in the part's
+    order against 447, 447 and 446 in the leaf's shape (GPT-2 small: int8 4,193 against
+    3,025). One bucket in the leaf's shape: int4 910 MB against 814, bf16 1,226 against
+    706; 16 MB pieces: int8 577 against 457 (bf16 residuals); reset's zero in 4 MB buckets:
+    GPT-2's int8 3,122 against 3,025. On GPU and CPU the two orders are the same
+    (``commjax.bucket.ravel_leaf``), and on every backend the same bits."""
     ravel, unravel = _flat_order(cfg)
-    if bad is None:
-        new = unravel(e, shape)
-    elif cfg.in_buckets:
-        new = jnp.where(bad, _flagged_residual(cfg, old.astype(jnp.float32)), unravel(e, shape))
-    else:
-        new = unravel(jnp.where(bad, _flagged_residual(cfg, ravel(old)), e), shape)
-    return new.astype(cfg.residual_dtype)
+    shaped = (cfg.in_buckets and cfg.on_nonfinite == "keep"
+              and 4 * int(np.prod(shape)) <= _SHAPED_SELECT_BYTES)
+    if shaped and bad is not None:
+        return jnp.where(bad, old.astype(jnp.float32), unravel(e, shape)).astype(cfg.residual_dtype)
+    if bad is not None:
+        e = jnp.where(bad, _flagged_residual(cfg, ravel(old)), e)
+    # Cast before the unravel (v5e, int8 with bf16 residuals in 16 MB buckets: 457 MB a
+    # step, 523 cast after).
+    return unravel(e.astype(cfg.residual_dtype), shape)
 
 
 def _flagged_residual(cfg: ExchangeConfig, old: jax.Array):

@@ -183,8 +183,8 @@ def test_reset_in_buckets_zeroes_only_the_flagged_piece(mesh, monkeypatch, order
     piece's mean NaN, as with the default (each piece is a leaf of its bucket); that
     piece restarts its residual from zero where the default keeps it, every other
     residual is the default's, and the means are the default's bit for bit. Also with
-    the parts in a TPU's tile order (``order="tiles"``), where the new residuals are
-    selected in the leaves' shapes, not in the parts' order."""
+    the parts in a TPU's tile order (``order="tiles"``), where the default selects the
+    kept residuals in the leaves' shapes and reset in the parts' order."""
     if order == "tiles":
         monkeypatch.setattr(bucket, "_by_layout", lambda x, tiled_fn, flat_fn: tiled_fn(x))
     grads = _tree()
