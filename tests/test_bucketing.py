@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
-from commjax import _compat, bucket
+from commjax import _compat, bucket, bucketing, transform
 from commjax.bucketing import BucketedState, Piece, bucket_groups
 
 N = 8
@@ -138,28 +138,28 @@ def test_bucketed_bytes_are_the_plan_and_replicas_agree(mesh, codec, reducer):
 
 
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["feedback", "no_feedback"])
-def test_powersgd_means_around_the_barrier_are_the_means_through_it(mesh, error_feedback):
+def test_powersgd_means_around_the_barrier_are_the_means_through_it(mesh, monkeypatch, error_feedback):
     """PowerSGD's means leave the buckets around the barrier (the optimizer forms ``P Q^T``
     again where it reads it) when residuals order the buckets, through it without them:
     two steps give the means and states of the means all through the barrier, replicas
     alike (up to the product's fp32 rounding where it is formed again)."""
-    from commjax import bucketing
-    from commjax.transform import _one_bucket
-
     grads = {k: v for k, v in _tree().items() if k != "n"}
-    opts = dict(inner_axis_name=None, error_feedback=error_feedback, reducer="auto", min_compress_size=64,
-                compress_vectors=False, residual_dtype=jnp.float32, server_error_feedback=True,
-                check_finite=True, num_replicas=None, in_buckets=True)
-    runs = {}
-    for around in (False, True):
-        tx = bucketing.bucketed(lambda k: _one_bucket(cj.powersgd(2), AX, seed=k, **opts), 6_000, "powersgd",
-                                means_around=around)
-        runs[around] = _step(optax.chain(tx, optax.sgd(0.1)), mesh, grads)
-    (through, s_through, _), (around, s_around, _) = runs[False], runs[True]
-    for a, b in zip(jax.tree_util.tree_leaves(around), jax.tree_util.tree_leaves(through)):
+    tx = lambda: optax.chain(cj.compressed_mean(cj.powersgd(2), AX, error_feedback=error_feedback,  # noqa: E731
+                                                min_compress_size=64, bucket_bytes=6_000), optax.sgd(0.1))
+    around = _step(tx(), mesh, grads)
+    made = []
+
+    def through_only(*a, **kw):
+        made.append(kw["means_around"])
+        return bucketing.bucketed(*a, **{**kw, "means_around": False})
+
+    monkeypatch.setattr(transform, "bucketed", through_only)
+    through = _step(tx(), mesh, grads)
+    assert made and all(made), "compressed_mean did not ask PowerSGD's means around the barrier"
+    for a, b in zip(jax.tree_util.tree_leaves(around[0]), jax.tree_util.tree_leaves(through[0])):
         assert all(np.array_equal(r, a[0]) for r in a)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    for a, b in zip(jax.tree_util.tree_leaves(s_around), jax.tree_util.tree_leaves(s_through)):
+    for a, b in zip(jax.tree_util.tree_leaves(around[1]), jax.tree_util.tree_leaves(through[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
