@@ -675,3 +675,40 @@ def test_residuals_are_kept_in_the_leaves_shapes():
             np.testing.assert_allclose(np.asarray(mean[leaf]) + np.asarray(e), np.asarray(g[leaf]) + np.asarray(o),
                                        rtol=0, atol=1e-5)
         assert float(jnp.max(jnp.abs(state.residual[1]))) > 0  # rank 2 of a 48 x 40 leaf is lossy
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("k,chunks", [(6000, 3), (2 * 1733, 2), (50257, 29)])
+def test_chunked_products_match_the_dense_ones(transposed, k, chunks):
+    """The GPU form of ``M^T P`` and ``M Q`` (a batched dot over chunks of the contracted
+    axis and the sum of the partial products) equals the dot to fp32 rounding."""
+    from commjax.compressors.powersgd import _chunked_product, product
+
+    rng = np.random.default_rng(k)
+    m = rng.standard_normal((k, 24) if transposed else (24, k)).astype(np.float32) * 1e3
+    f = rng.standard_normal((k, 4)).astype(np.float32)
+    want = (m.T if transposed else m).astype(np.float64) @ f
+    got = jax.jit(functools.partial(_chunked_product, transposed=transposed, chunks=chunks))(m, f)
+    scale = np.abs(m).max() * np.abs(f).max() * np.sqrt(k)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(jax.jit(functools.partial(product, transposed=transposed))(m, f)),
+                               want, rtol=0, atol=1e-5 * scale)
+
+
+def test_gpu_chunks_divide_long_unaligned_contractions_only():
+    """Chunks divide the contracted length into 64 to 2048 elements each; one dot where
+    XLA splits without padding (a multiple of 256), for short axes, and where no divisor
+    fits (a prime)."""
+    from commjax.compressors.powersgd import _gpu_chunks
+
+    ps = sys.modules[_gpu_chunks.__module__]
+    for k in list(range(1, 5000, 7)) + [50257, 50304, 65537, 2 * 65537, 3 * 1733]:
+        c = ps._gpu_chunks(k)
+        if k <= ps._GPU_CHUNK_ROWS or k % ps._GPU_SPLIT_ALIGN == 0:
+            assert c == 1, k
+        elif c > 1:
+            assert k % c == 0 and 64 <= k // c <= ps._GPU_CHUNK_ROWS, (k, c)
+        else:  # nothing fits: no divisor in [k / 2048, k / 64]
+            assert not any(k % d == 0 for d in range(-(-k // ps._GPU_CHUNK_ROWS), k // 64 + 1)), k
+    assert ps._gpu_chunks(50304) == 32 and ps._gpu_chunks(50257) == 29
+    assert ps._gpu_chunks(65537) == 1  # prime

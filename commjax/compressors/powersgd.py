@@ -79,7 +79,7 @@ from commjax.compressors.base import Compressor, Segment, check_choice, check_po
 from commjax.kernels._dispatch import fence
 
 __all__ = ["PowerSGD", "PowerSGDState", "powersgd", "orthogonalize", "matrix_shape", "shared_uniform",
-           "reseed", "seeded", "low_rank_product", "outer_sum", "transposed_product"]
+           "reseed", "seeded", "low_rank_product", "outer_sum", "transposed_product", "product"]
 
 ORTHOGONALIZATIONS = ("gram_schmidt", "qr")
 _HIGHEST = lax.Precision.HIGHEST
@@ -252,25 +252,82 @@ def seeded(key: jax.Array, seed: int) -> jax.Array:
     return words.at[0].set(noise.fmix32(words[0] ^ noise.fmix32(jnp.uint32(seed & 0xFFFFFFFF) + jnp.uint32(0x1B873593))))
 
 
+#: GPU contractions of a thin factor longer than this are taken in chunks (``_gpu_chunks``).
+_GPU_CHUNK_ROWS = 2048
+#: ... unless their length is a multiple of this: XLA's split-K then needs no padding.
+_GPU_SPLIT_ALIGN = 256
+
+
+def _gpu_chunks(k: int) -> int:
+    """Chunks (a divisor of ``k``) to contract a length-``k`` axis against a thin factor in,
+    on GPU; 1 for one dot.
+
+    XLA's GPU dot of a thin result (``[n, r]``, ``r <= 8``) over a long axis splits that
+    axis over thread blocks (split-K) and, where its length is not a multiple of the split
+    times the tile, first writes a zero-padded copy of the whole matrix: H100, GPT-2's
+    ``[50304, 768]`` embedding, ``M^T P`` of ``g`` and ``e`` read 935 MB where one read of
+    each is 309 MB. A batched dot over chunks of at most ``_GPU_CHUNK_ROWS`` is not split
+    (312 MB, plus a sum of ``chunks x n x r`` partial products). Lengths that are a
+    multiple of ``_GPU_SPLIT_ALIGN`` split without padding and keep one dot; a length
+    with no divisor giving chunks of 64 to ``_GPU_CHUNK_ROWS`` (a prime) keeps it too."""
+    if k <= _GPU_CHUNK_ROWS or k % _GPU_SPLIT_ALIGN == 0:
+        return 1
+    for c in range(-(-k // _GPU_CHUNK_ROWS), k // 64 + 1):
+        if k % c == 0:
+            return c
+    return 1
+
+
+def product(m: jax.Array, f: jax.Array, *, transposed: bool) -> jax.Array:
+    """``M F`` (``[m, r]``, ``f`` ``[n, r]``) or with ``transposed`` ``M^T F`` (``[n, r]``,
+    ``f`` ``[m, r]``) for ``M`` ``[m, n]``: PowerSGD's two products, each in the form that
+    reads ``M`` once on the backend it is lowered for.
+
+    * CPU, ``M^T F`` with ``r <= 8``: a broadcast multiply and a sum over rows. XLA:CPU
+      runs the dot, which contracts the large matrix over its leading axis, several times
+      slower than one streaming pass over ``M``.
+    * GPU, a contraction longer than ``_GPU_CHUNK_ROWS`` and not a multiple of
+      ``_GPU_SPLIT_ALIGN``: a batched dot over ``c`` equal chunks of the contracted axis
+      and the sum of the ``c`` partial products (``_gpu_chunks``).
+    * Otherwise the dot, at ``HIGHEST`` precision.
+
+    The forms agree to fp32 rounding; every replica on one backend computes the same bits."""
+    k = m.shape[0] if transposed else m.shape[1]
+    r = f.shape[-1]
+
+    def dot(m, f):
+        return jnp.matmul(m.T if transposed else m, f, precision=_HIGHEST)
+
+    def streamed(m, f):
+        # F^T laid out [r, m]: each of its rows is read contiguously.
+        return jnp.sum(m[None, :, :] * f.T[:, :, None], axis=1).T
+
+    if r > 8:
+        return dot(m, f)
+    branches = {"cpu": streamed} if transposed else {}
+    if _gpu_chunks(k) > 1:
+        branches["cuda"] = functools.partial(_chunked_product, transposed=transposed, chunks=_gpu_chunks(k))
+    if not branches:
+        return dot(m, f)
+    return lax.platform_dependent(m, f, **branches, default=dot)
+
+
+def _chunked_product(m: jax.Array, f: jax.Array, *, transposed: bool, chunks: int) -> jax.Array:
+    """``product``'s GPU form: ``sum_c M_c^T F_c`` over ``chunks`` equal row blocks of
+    ``M`` and ``F`` (``transposed``), or ``sum_c M_c F_c`` over column blocks of ``M`` and
+    row blocks of ``F``; ``chunks`` divides the contracted length."""
+    k, r = (m.shape[0] if transposed else m.shape[1]), f.shape[-1]
+    fc = f.reshape(chunks, k // chunks, r)
+    if transposed:
+        parts = jnp.einsum("ckn,ckr->cnr", m.reshape(chunks, k // chunks, m.shape[1]), fc, precision=_HIGHEST)
+    else:
+        parts = jnp.einsum("mck,ckr->cmr", m.reshape(m.shape[0], chunks, k // chunks), fc, precision=_HIGHEST)
+    return jnp.sum(parts, axis=0)
+
+
 def transposed_product(m: jax.Array, p: jax.Array) -> jax.Array:
-    """``M^T P`` (``[n, r]``) for ``M`` ``[m, n]`` and a thin ``P`` ``[m, r]``.
-
-    XLA:CPU runs this dot, which contracts the large matrix over its leading axis, several
-    times slower than one streaming pass over ``M``. On CPU, for
-    ``r <= 8``, it is therefore a broadcast multiply and a sum over rows; elsewhere, and for
-    larger ``r``, the dot.
-    """
-
-    def dot(m, p):
-        return jnp.matmul(m.T, p, precision=_HIGHEST)
-
-    def streamed(m, p):
-        # P^T laid out [r, m]: each of its rows is read contiguously.
-        return jnp.sum(m[None, :, :] * p.T[:, :, None], axis=1).T
-
-    if p.shape[-1] > 8:
-        return dot(m, p)
-    return lax.platform_dependent(m, p, cpu=streamed, default=dot)
+    """``M^T P`` (``[n, r]``) for ``M`` ``[m, n]`` and a thin ``P`` ``[m, r]``: ``product``."""
+    return product(m, p, transposed=True)
 
 
 def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:

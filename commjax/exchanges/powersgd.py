@@ -23,6 +23,7 @@ from commjax.compressors.powersgd import (
     PowerSGD,
     PowerSGDState,
     low_rank_product,
+    product,
     reseed,
     seeded,
     shared_uniform,
@@ -94,7 +95,7 @@ def _as_matrix(term, m: int, n: int):
 
 
 def _right_product(m: jax.Array, q: jax.Array) -> jax.Array:
-    return jnp.matmul(m, q, precision=_HIGHEST)
+    return product(m, q, transposed=False)
 
 
 def _times(m: Any, f: jax.Array, product) -> jax.Array:
