@@ -426,6 +426,20 @@ def test_powersgd_on_h100_never_writes_the_sum_of_gradient_and_residual():
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+def test_powersgd_on_tpu_takes_a_large_leafs_products_apart():
+    """A leaf larger than the v5e's on-chip memory (GPT-2's 154 MB embedding) has ``M Q``
+    and ``M^T P`` taken of ``g`` and ``e`` apart: nine passes over it a step (two for each
+    product, five for the residual and the update) where writing ``g + e`` made ten."""
+    target = "v5e:2x4"
+    mesh = aot.target_mesh(target)
+    params = {"wte": jax.ShapeDtypeStruct((50304, 768), jnp.float32)}
+    compiled = aot.compile_update(optax.chain(cj.compressed_mean(cj.powersgd(4), "data"), optax.sgd(0.1)),
+                                  params, mesh)
+    leaf = 4 * 50304 * 768
+    assert aot.analyze(compiled, target)["traffic"] <= 9.2 * leaf
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 @pytest.mark.parametrize("shape,transposed", [((50304, 768), True), ((50257, 768), True),
                                               ((768, 50257), False)])
 def test_powersgd_products_read_a_long_unaligned_matrix_once_on_h100(shape, transposed):

@@ -105,18 +105,27 @@ def _times(m: Any, f: jax.Array, product) -> jax.Array:
     residual's pass; as two products each reads ``g`` and ``e`` and nothing is written
     (H100 update step, PowerSGD r4 with the default ``check_finite``: 21M-parameter MLP
     849 -> 768 MB, GPT-2 small 5,962 -> 5,791 MB). TPUs keep the sum, which the v5e
-    holds in on-chip memory where it fits (the MLP's). The factors differ by fp32
-    rounding between the two forms, the same on every replica."""
+    holds in on-chip memory where it fits (the MLP's), except for a leaf larger than
+    ``_TPU_SUM_BYTES``: GPT-2's 154 MB embedding, written out as ``g + e`` and read by
+    both products, cost ten passes over it a step, nine apart (v5e, GPT-2 small in 4 MB
+    buckets: 3,279 -> 3,125 MB). The factors differ by fp32 rounding between the two
+    forms, the same on every replica."""
     if not isinstance(m, tuple):
         return product(m, f)
     return _by_platform(*m, f, apart=lambda g, e, f: product(g, f) + product(e, f),
                         summed=lambda g, e, f: product(g + e, f))
 
 
+#: Leaves above this many bytes take ``_times``'s products apart on TPU too.
+_TPU_SUM_BYTES = 64 << 20
+
+
 def _by_platform(g: jax.Array, e: jax.Array, f: jax.Array, *, apart, summed) -> jax.Array:
-    """``apart(g, e, f)`` when lowered for an NVIDIA GPU, ``summed(g, e, f)`` elsewhere:
-    the one switch between the two forms of ``_times`` (tests force either on CPU)."""
-    return lax.platform_dependent(g, e, f, cuda=apart, default=summed)
+    """``apart(g, e, f)`` when lowered for an NVIDIA GPU, or for a TPU when the leaf is
+    larger than ``_TPU_SUM_BYTES``; ``summed(g, e, f)`` elsewhere: the one switch between
+    the two forms of ``_times`` (tests force either on CPU)."""
+    big = g.size * 4 > _TPU_SUM_BYTES
+    return lax.platform_dependent(g, e, f, cuda=apart, tpu=apart if big else summed, default=summed)
 
 
 class _Step:
