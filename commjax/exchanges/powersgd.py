@@ -128,6 +128,17 @@ def _by_platform(g: jax.Array, e: jax.Array, f: jax.Array, *, apart, summed) -> 
     return lax.platform_dependent(g, e, f, cuda=apart, tpu=apart if big else summed, default=summed)
 
 
+def _members(p: jax.Array, q: jax.Array) -> tuple[list, list]:
+    """A group's factors ``[G, k, r]`` as one array per member. On GPU each through an
+    optimization barrier: slices of one array made XLA fuse the passes of all members
+    (their residuals, updates and norm sums) into one, which then could not write the
+    new residuals in place of the old (H100, GPT-2 small's PowerSGD step: 552 MB of
+    copies of the new residuals)."""
+    ps, qs = [p[j] for j in range(p.shape[0])], [q[j] for j in range(q.shape[0])]
+    return lax.platform_dependent(ps, qs, cuda=lambda a, b: lax.optimization_barrier((a, b)),
+                                  default=lambda a, b: (a, b))
+
+
 class _Step:
     """One step's matrices and collectives; each phase is one method."""
 
@@ -163,8 +174,9 @@ class _Step:
         of ``product_finite`` on the product."""
         mean, finite = [None] * len(self.segments), [None] * len(self.segments)
         for gi, (g, p, q) in enumerate(zip(self.groups, ps, qs)):
+            pj, qj = _members(p, q)
             for j, i in enumerate(g.members):
-                mean[i] = low_rank_product(p[j], q[j]).reshape(self.leaves[i].shape)
+                mean[i] = low_rank_product(pj[j], qj[j]).reshape(self.leaves[i].shape)
                 finite[i] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f[gi][j])) for f in raw]
                                               + [product_finite(p[j], q[j])]))
         local = mean if self.axis is None else [_compat.vary(m, self.axis) for m in mean]
