@@ -523,8 +523,9 @@ def test_int8_in_buckets_is_one_pass_on_tpu(check_finite):
 def test_residual_norm_is_taken_where_the_residual_is_written_on_tpu(codec, bucket_mb):
     """On TPU the residual-norm metric costs no pass of its own where compressed_mean
     takes the norm XLA computes with the residual's write (the three-sum norm for a whole
-    step, and for sign's residuals in buckets): v5e, the MLP's bf16 step 1.87x the exact
-    step's traffic (2.42x with l2_norm), sign in 4 MB buckets 1.89x (2.65x)."""
+    step; for sign's residuals in buckets, whose scales take no conditional, ``l2_norm``):
+    v5e, the MLP's bf16 step 1.87x the exact step's traffic (2.42x with l2_norm), sign in
+    4 MB buckets 1.60x (1.75x with the sums, 1.87x with the scales' conditional)."""
     target = "v5e:2x4"
     mesh = aot.target_mesh(target)
     params = _MLP
@@ -533,7 +534,7 @@ def test_residual_norm_is_taken_where_the_residual_is_written_on_tpu(codec, buck
     rep = {name: aot.analyze(aot.compile_update(optax.chain(mean, optax.sgd(0.1)), params, mesh), target)
            for name, mean in (("exact", cj.compressed_mean(cj.identity(), "data")),
                               (codec, cj.compressed_mean(c, "data", bucket_bytes=bucket)))}
-    assert rep[codec]["traffic"] <= 2.1 * rep["exact"]["traffic"], rep
+    assert rep[codec]["traffic"] <= {"bf16": 2.1, "sign": 1.65}[codec] * rep["exact"]["traffic"], rep
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")

@@ -87,6 +87,22 @@ def test_sign_scales_summed_by_lane_rows_match_to_rounding(block):
     assert np.all(np.isfinite(np.asarray(by_lanes)))
 
 
+@pytest.mark.parametrize("block", [128, 256])
+def test_fused_sign_scales_divide_only_the_blocks_that_overflow(block):
+    """The TPU's scales (``fused``: both sums, no conditional) are the conditional's
+    bits on every block whose sum is finite, the mean to rounding where it overflowed,
+    and inf and NaN where the block holds them."""
+    x, e, _ = _inputs(block, 4, inf=False)
+    x = x.at[3].set(3e38).at[4, 5].set(jnp.inf).at[5, 7].set(jnp.nan)
+    y = (x + e).reshape(-1)
+    plain = np.asarray(R._block_mean_abs(y[: 3 * block], (-1, 128), (3, block)))
+    fused = np.asarray(R._block_mean_abs(y, (-1, 128), (6, block), fused=True))
+    np.testing.assert_array_equal(fused[:3], plain)
+    want = np.abs(np.asarray(y, np.float64).reshape(6, block)).mean(axis=1)
+    assert np.isfinite(fused[3, 0]) and abs(fused[3, 0] / want[3] - 1) < 2e-6
+    assert np.isposinf(fused[4, 0]) and np.isnan(fused[5, 0])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("block", [128, 512])
 @pytest.mark.parametrize("output", [None, "decoded", "residual"])
