@@ -32,8 +32,8 @@ class Sign(BlockCompressor):
     # v5e, 4 MB buckets, whose scales take no conditional (kernels.reference.row_scales):
     # the MLP's step 676 MB with the norm's sums, 619 MB with l2_norm.
     tpu_norm_sums_in_buckets: ClassVar[bool] = False
-    # v5e MLP in 4 MB buckets: 728 MB with encode and decode, 838 MB by encode_feedback
-    # (XLA then kept the mean out of on-chip memory); one bucket 942 against 887 MB.
+    # v5e MLP in 4 MB buckets: 619 MB with encode and decode, 646 MB by encode_feedback
+    # (728 against 838 with the scales' conditional); one bucket 942 against 887 MB.
     reencode_by_feedback: ClassVar[bool] = False
 
     @property

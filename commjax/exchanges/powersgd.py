@@ -33,8 +33,6 @@ from commjax.exchanges.base import Exchange
 
 __all__ = ["PowerSGDExchange", "fused_mean", "product_finite"]
 
-_HIGHEST = lax.Precision.HIGHEST
-
 
 def _max_row_norm(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(v, e)`` with ``max_i ||a_i||_2 = v 2^e`` (``v`` in ``[0.5, sqrt(r)]``): the rows
