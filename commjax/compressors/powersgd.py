@@ -305,8 +305,9 @@ def product(m: jax.Array, f: jax.Array, *, transposed: bool) -> jax.Array:
     if r > 8:
         return dot(m, f)
     branches = {"cpu": streamed} if transposed else {}
-    if _gpu_chunks(k) > 1:
-        branches["cuda"] = functools.partial(_chunked_product, transposed=transposed, chunks=_gpu_chunks(k))
+    chunks = _gpu_chunks(k)
+    if chunks > 1:
+        branches["cuda"] = functools.partial(_chunked_product, transposed=transposed, chunks=chunks)
     if not branches:
         return dot(m, f)
     return lax.platform_dependent(m, f, **branches, default=dot)
