@@ -173,24 +173,28 @@ MEANS |= {f"{name}_reset": (MEANS[name][0], {**MEANS[name][1], "check_finite": "
           for name in ("bf16", "int8", "int4", "sign", "fp8", "powersgd_r4")}
 
 
-def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32) -> dict:
+def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32, *, chosen: bool = False) -> dict:
     """name -> (transform, family): the family names the exact row it is compared with.
-    With ``bucket_bytes`` every compressed mean runs in buckets of that size
-    (``compressed_mean(bucket_bytes=...)``) except the ``exact`` row, the baseline; the
-    exact mean in the same buckets is ``exact_bucketed``; no ZeRO rows. Every compressed
-    mean keeps its residuals in ``residual_dtype``."""
+    Every compressed mean runs in buckets of ``bucket_bytes`` (``None``: one bucket) and
+    keeps its residuals in ``residual_dtype``. By default (``chosen=False``) that is the
+    target's default (``auto_bucket_bytes``), taken by every mean, commjax's exact one
+    too, beside the ZeRO rows. A size the command chose (``chosen``, ``--bucket-mb``)
+    leaves the ``exact`` row in one bucket, adds the exact mean in those buckets
+    (``exact_bucketed``) and has no ZeRO rows."""
     sgd = optax.sgd(0.1)
 
     def mean(codec, options, buckets=bucket_bytes):
         options = {"residual_dtype": residual_dtype, **options}
         return optax.chain(cj.compressed_mean(codec, "data", bucket_bytes=buckets, **options), sgd), "mean"
 
-    rows = {name: mean(*spec, buckets=None if name == "exact" else bucket_bytes) for name, spec in MEANS.items()}
+    exact_buckets = None if chosen else bucket_bytes
+    rows = {name: mean(*spec, buckets=exact_buckets if name == "exact" else bucket_bytes)
+            for name, spec in MEANS.items()}
     # The exact mean as users write it without commjax, beside commjax's own exact mean
     # (which sums pre-scaled values and flags non-finite leaves, at a cost in HBM traffic).
     head = {"exact": rows.pop("exact"), "pmean": (optax.chain(bench.plain_mean(), sgd), "mean")}
-    if bucket_bytes is not None:
-        return head | {"exact_bucketed": mean(*MEANS["exact"])} | rows
+    if chosen:
+        return head | ({} if bucket_bytes is None else {"exact_bucketed": mean(*MEANS["exact"])}) | rows
     adam = optax.adam(1e-3)
     return head | rows | {
         "zero_exact": (cj.zero(adam, "data"), "zero"),
@@ -201,6 +205,13 @@ def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32) -> dict
         "zero_q4_qwd4_pallas": (cj.zero(adam, "data", grad_codec=cj.quantize(4, kernels="pallas"),
                                         weight_codec=cj.quantize(4, kernels="pallas")), "zero"),
     }
+
+
+def default_buckets(target: str, model: str) -> Any:
+    """The bucket size ``compressed_mean(bucket_bytes="auto")`` takes for ``model`` on
+    ``target``'s platform (``None``: one bucket)."""
+    platform = aot.target_mesh(target).devices.flat[0].platform
+    return cj.bucketing.auto_bucket_bytes(models()[model], platform)
 
 
 def measure(target: str, model: str, names: list, dump: Any = None, table: Any = None) -> list:
@@ -283,23 +294,25 @@ def measure_fsdp(target: str, model: str, names: list) -> list:
     return rows
 
 
-def _measure_one(target: str, model: str, name: str, dump: Any, bucket: Any, residual_dtype: str) -> dict:
+def _measure_one(target: str, model: str, name: str, dump: Any, bucket: Any, residual_dtype: str,
+                 chosen: bool) -> dict:
     """One row of ``measure``, in a process of its own (``--isolate``)."""
-    return measure(target, model, [name], dump, methods(bucket, jnp.dtype(residual_dtype)))[0]
+    return measure(target, model, [name], dump, methods(bucket, jnp.dtype(residual_dtype), chosen=chosen))[0]
 
 
 def measure_isolated(target: str, model: str, names: list, dump: Any, bucket: Any,
-                     residual_dtype: str) -> list:
+                     residual_dtype: str, chosen: bool) -> list:
     """``measure``, each method compiled in a fresh process: what one compile of a 1e9-
     parameter tree leaves behind is freed with the process, so the next fits in memory."""
-    table_ = methods(bucket, jnp.dtype(residual_dtype))
+    table_ = methods(bucket, jnp.dtype(residual_dtype), chosen=chosen)
     rows = []
     for name in names:
         with concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn")) as pool:
             family = table_[name][1]
             try:
-                rows.append(pool.submit(_measure_one, target, model, name, dump, bucket, residual_dtype).result())
+                rows.append(pool.submit(_measure_one, target, model, name, dump, bucket, residual_dtype,
+                                            chosen).result())
             except concurrent.futures.process.BrokenProcessPool:
                 rows.append({"method": name, "family": family,
                              "error": "the compiling process died (out of memory?)"})
@@ -349,7 +362,9 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--methods", default=None, help="comma-separated rows (default: all)")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="every compressed mean in buckets of this many MB (compressed_mean("
-                         "bucket_bytes=...)); written to aot_<target>_<model>_b<MB>m.json")
+                         "bucket_bytes=...)), written to aot_<target>_<model>_b<MB>m.json; 0: one "
+                         "bucket (aot_<target>_<model>_onebucket.json); default: the target's default "
+                         "(compressed_mean(bucket_bytes='auto'): buckets on a TPU, one on a GPU)")
     ap.add_argument("--residual-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="compressed_mean(residual_dtype=...) of every compressed mean; bfloat16 "
                          "is written to aot_<target>_<model>[_b<MB>m]_bf16res.json")
@@ -374,17 +389,19 @@ def main(argv: Any = None) -> int:
         rows = measure_fsdp(args.target, args.model, list(FSDP) if args.methods is None else args.methods.split(","))
         print(table(rows))
         return _write(f"fsdp_{args.model}", args.target, args.model, rows, argv, args.update)
-    bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2 ** 20)
-    table_ = methods(bucket, jnp.dtype(args.residual_dtype))
+    chosen = args.bucket_mb is not None
+    bucket = (default_buckets(args.target, args.model) if not chosen
+              else int(args.bucket_mb * 2 ** 20) if args.bucket_mb > 0 else None)
+    table_ = methods(bucket, jnp.dtype(args.residual_dtype), chosen=chosen)
     names = list(table_) if args.methods is None else args.methods.split(",")
     if any(table_[n][1] == "mean" for n in names):  # the base and commjax's exact mean
         names = [n for n in ("exact", "pmean") if n not in names] + names
     if args.isolate:
-        rows = measure_isolated(args.target, args.model, names, args.dump, bucket, args.residual_dtype)
+        rows = measure_isolated(args.target, args.model, names, args.dump, bucket, args.residual_dtype, chosen)
     else:
         rows = measure(args.target, args.model, names, args.dump, table_)
     print(table(rows))
-    suffix = ("" if bucket is None else f"_b{args.bucket_mb:g}m") + (
+    suffix = ("" if not chosen else "_onebucket" if bucket is None else f"_b{args.bucket_mb:g}m") + (
         "_bf16res" if args.residual_dtype == "bfloat16" else "")
     return _write(f"{args.model}{suffix}", args.target, args.model, rows, argv, args.update)
 

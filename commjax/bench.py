@@ -42,7 +42,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 from commjax import _compat, aot, launch
+from commjax.bucketing import auto_bucket_bytes
 from commjax.compressors import cast, identity, powersgd, quantize, sign, top_k
 from commjax.step import data_parallel
 from commjax.transform import compressed_mean
@@ -158,10 +159,11 @@ def plain_mean(axis_name: Any = "data") -> optax.GradientTransformation:
 CHECK_FINITE = {"true": True, "false": False, "reset": "reset"}
 
 
-def _options(bucket_bytes: Optional[int], residual_dtype: Any, check_finite: Any = True) -> dict:
-    """``compressed_mean`` options of the compressed rows (the exact row keeps one bucket,
-    no residuals and the default guard: it is the baseline)."""
-    out: dict = {} if bucket_bytes is None else {"bucket_bytes": int(bucket_bytes)}
+def _options(bucket_bytes: Union[int, str, None], residual_dtype: Any, check_finite: Any = True) -> dict:
+    """``compressed_mean`` options of the compressed rows (the exact row keeps the
+    defaults: it is commjax's exact mean as a user writes it). ``bucket_bytes``: bytes a
+    bucket, ``0`` for one bucket, ``"auto"`` for compressed_mean's default."""
+    out: dict = {} if bucket_bytes == "auto" else {"bucket_bytes": int(bucket_bytes) or None}
     if residual_dtype is not None:
         out["residual_dtype"] = jnp.dtype(residual_dtype)
     if check_finite is not True:
@@ -173,25 +175,31 @@ def _options(bucket_bytes: Optional[int], residual_dtype: Any, check_finite: Any
 _BASE = "pmean"
 
 
-def _runs(compressors: Sequence[str], options: dict, exact_label: str) -> list:
-    """``(label, transform)`` of the exact row, the plain ``lax.pmean`` row
-    ([`plain_mean`][commjax.bench.plain_mean]) and each compressor's, built before anything
-    is compiled or timed: a bad name or option fails at once, naming itself."""
+def _check_names(compressors: Sequence[str]) -> None:
     unknown = sorted(set(compressors) - set(COMPRESSORS))
     if unknown:
         raise ValueError(f"bench: unknown `compressors` {unknown}; choose from {sorted(COMPRESSORS)}.")
-    return ([(exact_label, _mean(identity(), {})), (_BASE, _then_sgd(plain_mean()))]
+
+
+def _runs(compressors: Sequence[str], options: dict, exact_label: str, exact: Optional[dict] = None) -> list:
+    """``(label, transform)`` of the exact row, the plain ``lax.pmean`` row
+    ([`plain_mean`][commjax.bench.plain_mean]) and each compressor's, built before anything
+    is compiled or timed: a bad name or option fails at once, naming itself. ``exact``:
+    the exact row's options (default none)."""
+    _check_names(compressors)
+    return ([(exact_label, _mean(identity(), exact or {})), (_BASE, _then_sgd(plain_mean()))]
             + [(c, _mean(COMPRESSORS[c](), options)) for c in compressors])
 
 
 def run(num_params: float = 10e6, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
         layers: int = 4, steps: int = 10, batch_per_replica: int = 8,
-        mesh: Optional[jax.sharding.Mesh] = None, bucket_bytes: Optional[int] = None,
+        mesh: Optional[jax.sharding.Mesh] = None, bucket_bytes: Union[int, str] = "auto",
         residual_dtype: Any = None, check_finite: Any = True, width: Optional[int] = None) -> list[Row]:
     """Time the floor (no exchange), the exact mean and each compressor; see the module
     docstring for the columns. ``mesh``: default, one ``"data"`` axis over every device
     (every process's, under ``jax.distributed``). ``bucket_bytes``, ``residual_dtype``,
-    ``check_finite``: [`commjax.compressed_mean`][]'s options for the compressors' rows.
+    ``check_finite``: [`commjax.compressed_mean`][]'s options for the compressors' rows
+    (``bucket_bytes=0``: one bucket).
     ``width``: the matrices' side (default from ``num_params``, see ``_width``)."""
     runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact fp32 mean")
     if mesh is None:
@@ -220,23 +228,30 @@ def _shapes(num_params: float, layers: int, width: Optional[int] = None) -> dict
 
 
 def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[str] = ("int8", "int4", "sign"),
-               layers: int = 4, bucket_bytes: Optional[int] = None, residual_dtype: Any = None,
+               layers: int = 4, bucket_bytes: Union[int, str] = "auto", residual_dtype: Any = None,
                check_finite: Any = True, width: Optional[int] = None) -> list[dict]:
     """Compile the exact and each compressor's update step for ``target`` (deviceless)
     and report them ([`commjax.aot.analyze`][]), each with ratios to the exact step as
-    written without commjax (the ``pmean`` row; commjax's exact mean is the row before it,
-    in one bucket). ``bucket_bytes``, ``residual_dtype``, ``check_finite``, ``width``: as for
-    [`run`][commjax.bench.run]: on a TPU, buckets of a few MB keep the codecs'
-    intermediates on chip, ``check_finite="reset"`` spares the residual pass a second
-    read of the old residuals, and bf16 residuals halve their state
-    (``docs/accelerators.md``)."""
-    runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact")
+    written without commjax (the ``pmean`` row; commjax's exact mean is the row before it).
+    ``bucket_bytes``, ``residual_dtype``, ``check_finite``, ``width``: as for
+    [`run`][commjax.bench.run]; ``"auto"`` takes the target's default
+    ([`commjax.bucketing.auto_bucket_bytes`][] for its platform), for the exact row too,
+    since the default of the process compiling it need not be the target's. On a TPU,
+    buckets of a few MB keep the codecs' intermediates on chip, ``check_finite="reset"``
+    spares the residual pass a second read of the old residuals, and bf16 residuals
+    halve their state (``docs/accelerators.md``)."""
+    _check_names(compressors)  # before the target's topology, which needs the aot extra
     mesh = aot.target_mesh(target)
     params = _shapes(num_params, layers, width)
+    auto = {}
+    if bucket_bytes == "auto":
+        bucket_bytes = auto_bucket_bytes(params, mesh.devices.flat[0].platform) or 0
+        auto = {"bucket_bytes": bucket_bytes or None}
+    runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact", auto)
     rows = []
     for label, tx in runs:
         rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
-        rep["method"] = label
+        rep.update(method=label, bucket_bytes=bucket_bytes or None)
         rows.append(rep)
     base = next(r for r in rows if r["method"] == _BASE)
     for r in rows:
@@ -289,7 +304,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the aot extra)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="compressed means in buckets of this many MB (compressed_mean(bucket_bytes=)); "
-                        "default one bucket")
+                        "0: one bucket; default compressed_mean's (\"auto\": buckets on a TPU, one "
+                        "bucket elsewhere; with --target, the target's)")
     p.add_argument("--residual-dtype", default=None, choices=["float32", "bfloat16"],
                    help="error-feedback residuals' dtype (compressed_mean(residual_dtype=)); default float32")
     p.add_argument("--check-finite", default="true", choices=list(CHECK_FINITE),
@@ -299,8 +315,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bucket_bytes(args: argparse.Namespace) -> Optional[int]:
-    return None if args.bucket_mb is None else max(1, int(args.bucket_mb * 2 ** 20))
+def _bucket_bytes(args: argparse.Namespace) -> Union[int, str]:
+    """``--bucket-mb`` in bytes: ``0`` one bucket, ``"auto"`` when not given."""
+    if args.bucket_mb is None:
+        return "auto"
+    return 0 if args.bucket_mb <= 0 else max(1, int(args.bucket_mb * 2 ** 20))
 
 
 def _model_line(args: argparse.Namespace) -> str:
@@ -310,7 +329,7 @@ def _model_line(args: argparse.Namespace) -> str:
 
 def _options_line(args: argparse.Namespace) -> str:
     """The compressed rows' options as the call a user would write (the exact row is the
-    default one-bucket mean)."""
+    default mean)."""
     opts = _options(_bucket_bytes(args), args.residual_dtype, CHECK_FINITE[args.check_finite])
     words = ", ".join(f"{k}={v!r}" if k != "residual_dtype" else f"{k}=jnp.{v}" for k, v in opts.items())
     return f"compressed rows: compressed_mean(codec{', ' + words if words else ''})"
@@ -351,6 +370,10 @@ def _main_target(args: argparse.Namespace) -> int:
                       check_finite=CHECK_FINITE[args.check_finite], width=args.width)
     print(f"{args.target} (compiled here, deviceless), {_model_line(args)}, per device and step")
     print(_options_line(args))
+    if args.bucket_mb is None:
+        size = rows[-1]["bucket_bytes"]
+        print(f"the target's default buckets (bucket_bytes=\"auto\"): "
+              + ("one bucket" if size is None else f"{size / 2 ** 20:g} MiB"))
     print(target_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -194,7 +194,8 @@ class InBackwardSync:
     options: tuple  # compressed_mean's keyword options, as sorted (name, value) pairs
 
     def _tx(self) -> optax.GradientTransformation:
-        return compressed_mean(self.compressor, self.axis_name, **dict(self.options))
+        # One compressed mean per sync bucket: its state is this bucket's, on every backend.
+        return compressed_mean(self.compressor, self.axis_name, bucket_bytes=None, **dict(self.options))
 
     def buckets(self, params: Any) -> list[list[int]]:
         """The leaf indices (in ``tree_leaves`` order) of each bucket of ``params``."""
@@ -345,5 +346,5 @@ def sync_in_backward(compressor: Compressor, axis_name: Any = "data", *,
         raise TypeError(f"sync_in_backward: `compressor` must be a commjax codec such as "
                         f"cj.quantize(bits=8); got {compressor!r}.")
     validation.check_int("bucket_bytes", bucket_bytes, 1, factory="sync_in_backward")
-    compressed_mean(compressor, axis_name, **options)  # the options' own checks and errors
+    compressed_mean(compressor, axis_name, bucket_bytes=None, **options)  # the options' own checks
     return InBackwardSync(compressor, axis_name, int(bucket_bytes), tuple(sorted(options.items())))

@@ -37,7 +37,7 @@ import optax
 from jax import lax
 
 from commjax import _compat, bucket as flat_bucket, ef21, guards, validation
-from commjax.bucketing import bucketed
+from commjax.bucketing import BucketedState, auto_bucket_bytes, bucketed
 from commjax.fingerprint import check_made_for, describe, made_for
 from commjax.collectives._exact import exact_mean
 from commjax.collectives._reducers import check_reducer, reduce_parts
@@ -45,7 +45,7 @@ from commjax.compressors.base import Compressor
 from commjax.exchanges import exchange_for
 from commjax.guards import AxisNotBoundError
 from commjax.layout import per_replica
-from commjax.accounting import with_plan
+from commjax.accounting import planner_of, with_plan
 from commjax.plan import COMPRESS, EXACT, PASS, MeanPlan, make_plan, mean_plan, sent_directly
 
 __all__ = ["CompressedMeanState", "compressed_mean", "AxisNotBoundError"]
@@ -195,6 +195,12 @@ _MAKE_STATE = ("Make the state with this transform's init (cj.init_sharded(tx, p
 def _check_state(cfg: ExchangeConfig, plan: MeanPlan, state, n_rep: int, updates) -> None:
     """The state must be what ``init`` makes for these gradients, compressor and replica
     count, in its local (per-replica) view: say which of these differs."""
+    if isinstance(state, BucketedState):
+        raise ValueError(
+            f"compressed_mean: the state holds {len(state.buckets)} buckets, this transform runs "
+            "one (bucket_bytes=None, or \"auto\" off a TPU backend): the state was made in buckets "
+            "(bucket_bytes=N, or \"auto\" on a TPU). Pass the bucket_bytes the state was made "
+            "with, or make the state with this transform's init.")
     if not isinstance(state, CompressedMeanState):
         raise TypeError(f"compressed_mean: `state` must be the CompressedMeanState made by "
                         f"init(); got {type(state).__name__}.")
@@ -671,7 +677,7 @@ def compressed_mean(
     check_finite: Union[bool, str] = True,
     num_replicas: Optional[int] = None,
     seed: int = 0,
-    bucket_bytes: Optional[int] = None,
+    bucket_bytes: Union[int, str, None] = "auto",
 ) -> optax.GradientTransformation:
     """Replace per-replica gradients by a compressed estimate of their mean over ``axis_name``.
 
@@ -744,17 +750,22 @@ def compressed_mean(
         leaf larger than that is cut along its first axis into pieces that fit (except
         for PowerSGD, which factors whole matrices). The step's scratch memory is then
         one bucket's instead of the whole tree's, and on a TPU buckets of a few MB keep
-        the codec's intermediates on chip: v5e, GPT-2-small in 16 MB buckets, int8 moves
-        1.97x the HBM traffic of the exact step (``lax.pmean``) instead of 4.61x in one
-        bucket, with 0.19 gradients of extra scratch (``docs/accelerators.md``).
-        Each bucket sends its own exact all-reduce and payload (one more set of
-        collectives per bucket) and draws its randomness from ``seed + k``. ``None``
-        (default): one bucket.
+        the codec's intermediates on chip: v5e, GPT-2-small in 4 MB buckets, int8 moves
+        1.44x the HBM traffic of the exact step (``lax.pmean``) instead of 4.61x in one
+        bucket, with 0.21 gradients of extra scratch instead of 2.58
+        (``docs/accelerators.md``). Each bucket sends its own exact all-reduce and
+        payload (one more set of collectives per bucket) and draws its randomness from
+        ``seed + k``. ``None``: one bucket. ``"auto"`` (default): on a TPU backend
+        buckets of [`commjax.bucketing.auto_bucket_bytes`][] (4 MiB, more for trees
+        over 2 GB), elsewhere one bucket; the backend is ``jax.default_backend()`` when
+        ``init``, ``update`` or the plan runs, so the state's structure differs between
+        a TPU and other backends: pass an explicit value to move a state (a checkpoint)
+        from one to the other.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
-      [`CompressedMeanState`][commjax.transform.CompressedMeanState] (with
-      ``bucket_bytes``: a [`commjax.bucketing.BucketedState`][] of one per bucket).
+      [`CompressedMeanState`][commjax.transform.CompressedMeanState] (in buckets:
+      a [`commjax.bucketing.BucketedState`][] of one per bucket).
       Per-replica parts: ``residual``, ``server_residual``; replicated: ``count``, ``key``.
       Lay it out for ``shard_map`` with [`commjax.shard_state`][] and
       [`commjax.state_specs`][].
@@ -772,12 +783,46 @@ def compressed_mean(
                    min_compress_size=min_compress_size, compress_vectors=compress_vectors,
                    residual_dtype=residual_dtype, server_error_feedback=server_error_feedback,
                    check_finite=check_finite, num_replicas=num_replicas)
+    if bucket_bytes == "auto":
+        return _auto_buckets(compressor, axis_name, seed, options)
     if bucket_bytes is not None:
-        validation.check_positive_int("bucket_bytes", bucket_bytes, factory="compressed_mean")
-        return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
-                        int(bucket_bytes), f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
-                        split=not compressor.has_exchange, means_around=compressor.has_exchange)
+        validation.check_int("bucket_bytes", bucket_bytes, 1, factory="compressed_mean",
+                             why=' (bytes a bucket), None (one bucket) or "auto"')
+        return _in_buckets(compressor, axis_name, seed, options, int(bucket_bytes))
     return _one_bucket(compressor, axis_name, seed=seed, in_buckets=False, **options)
+
+
+def _in_buckets(compressor: Compressor, axis_name: Any, seed: int, options: dict,
+                bucket_bytes: int) -> optax.GradientTransformation:
+    """``compressed_mean`` in buckets of ``bucket_bytes`` (``commjax.bucketing``)."""
+    return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
+                    bucket_bytes, f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
+                    split=not compressor.has_exchange, means_around=compressor.has_exchange)
+
+
+def _auto_buckets(compressor: Compressor, axis_name: Any, seed: int,
+                  options: dict) -> optax.GradientTransformation:
+    """``compressed_mean(bucket_bytes="auto")``: in buckets of ``auto_bucket_bytes(tree)``
+    or in one, chosen from the tree and the backend where ``init``, ``update`` and the
+    plan run (not at construction: reading the backend initializes it, which must wait
+    for ``jax.distributed.initialize``)."""
+
+    def chosen(tree: Any) -> optax.GradientTransformation:
+        size = auto_bucket_bytes(tree)
+        if size is None:
+            return _one_bucket(compressor, axis_name, seed=seed, in_buckets=False, **options)
+        return _in_buckets(compressor, axis_name, seed, options, size)
+
+    def init_fn(params):
+        return chosen(params).init(params)
+
+    def update_fn(updates, state, params=None):
+        return chosen(updates).update(updates, state, params)
+
+    def plan(params, num_replicas: int, **kw):
+        return planner_of(chosen(params))(params, num_replicas, **kw)
+
+    return with_plan(optax.GradientTransformation(init_fn, update_fn), plan)
 
 
 def _one_bucket(compressor: Compressor, axis_name: Any, *, inner_axis_name, error_feedback, reducer,

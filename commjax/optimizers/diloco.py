@@ -172,7 +172,7 @@ def inner_exchange(inner_compressor: Any, inner_axis_name: Any, *, error_feedbac
             f"{factory}: `inner_compressor` compresses the gradient mean over `inner_axis_name`, "
             "which is None; pass inner_axis_name=<the fast mesh axis> or drop inner_compressor.")
     return compressed_mean(inner_compressor, inner_axis_name, error_feedback=error_feedback,
-                           num_replicas=inner_replicas, seed=seed)
+                           num_replicas=inner_replicas, seed=seed, bucket_bytes=None)
 
 
 def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
@@ -359,7 +359,7 @@ def diloco(
     exchange_tx = None
     if compressor is not None:
         exchange_tx = compressed_mean(compressor, axis_name, error_feedback=error_feedback,
-                                      num_replicas=num_replicas, seed=seed)
+                                      num_replicas=num_replicas, seed=seed, bucket_bytes=None)
     inner_tx = inner_exchange(inner_compressor, inner_axis_name, error_feedback=error_feedback,
                               inner_replicas=inner_replicas, seed=seed + 1, factory="diloco")
     cfg = _Config(inner, outer, sync_every, axis_name, exchange_tx, inner_axis_name, inner_tx)

@@ -190,7 +190,7 @@ def _exchange_tx(cfg: _Config) -> optax.GradientTransformation:
         sign(block_size=cfg.block_size), cfg.axis_name, error_feedback=True,
         reducer="two_phase", min_compress_size=cfg.min_compress_size,
         compress_vectors=cfg.compress_vectors, server_error_feedback=True, check_finite=True,
-        num_replicas=cfg.num_replicas,
+        num_replicas=cfg.num_replicas, bucket_bytes=None,
     )
 
 

@@ -464,7 +464,8 @@ def _exchanges(compressor, fragments, axis_name, error_feedback, num_replicas, s
     # One exchange per fragment (its own residuals and rounding keys); fragment 0 uses
     # ``seed`` itself, so one fragment is diloco's exchange exactly.
     return tuple(compressed_mean(compressor, axis_name, error_feedback=error_feedback,
-                                 num_replicas=num_replicas, seed=seed + f) for f in range(fragments))
+                                 num_replicas=num_replicas, seed=seed + f, bucket_bytes=None)
+                 for f in range(fragments))
 
 
 def streaming_diloco(
