@@ -4,7 +4,12 @@ bytes, kernels and the overlap of the exchange, against the exact step of the sa
     pip install -e '.[aot]'     # jax[tpu] and jax[cuda12] at the pinned version
     python benchmarks/aot.py --target v5e:2x4 --model mlp21m
     python benchmarks/aot.py --target h100x8 --model gpt2s --methods exact,int8,sign
-    python benchmarks/aot.py --target v5e:2x4 --model gpt2s --bucket-mb 4    # bucket_bytes=4 MB
+    python benchmarks/aot.py --target v5e:2x4 --model gpt2s --bucket-mb 16   # bucket_bytes=16 MB
+    python benchmarks/aot.py --target v5e:2x4 --model gpt2s --bucket-mb 0    # one bucket
+
+Every row takes the target's default options: on a TPU ``compressed_mean`` exchanges in
+buckets (``bucket_bytes="auto"``, `commjax.bucketing.auto_bucket_bytes`), elsewhere in
+one; ``--bucket-mb`` sets another size for every compressed mean.
 
 For each method the update step (each replica's gradient in, parameters and state out;
 `commjax.aot.compile_update`) is compiled for the target and read by `commjax.aot.analyze`.
@@ -128,7 +133,7 @@ def measure_train(target: str, names: list, model: str = "gpt2s") -> list:
     """The overlap of each method's exchange with the backward pass of a train model."""
     params, batch, loss = TRAIN_MODELS[model]()
     mesh = aot.target_mesh(target)
-    table = methods()
+    table = methods()  # one bucket on every target: the exchange after the backward pass
     in_backward = {"int8_in_backward": cj.quantize(8), "int4_in_backward": cj.quantize(4),
                    "sign_in_backward": cj.sign(), "powersgd_r4_in_backward": cj.powersgd(4)}
     rows = []

@@ -5,7 +5,7 @@
     python -m commjax.bench --params 200e6 --distributed        # one process per host
     python -m commjax.bench --target v5e:2x4 --params 1e9       # deviceless: no accelerator
     python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 16 --residual-dtype bfloat16
-    python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 4
+    python -m commjax.bench --target v5e:2x4 --params 1e9 --bucket-mb 0   # one bucket
 
 With ``--target`` nothing runs: each step is compiled for that TPU topology or GPU target
 from this machine ([`commjax.aot`][]; ``pip install 'commjax[aot]'``) and the table gives
@@ -235,23 +235,24 @@ def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[st
     written without commjax (the ``pmean`` row; commjax's exact mean is the row before it).
     ``bucket_bytes``, ``residual_dtype``, ``check_finite``, ``width``: as for
     [`run`][commjax.bench.run]; ``"auto"`` takes the target's default
-    ([`commjax.bucketing.auto_bucket_bytes`][] for its platform), for the exact row too,
-    since the default of the process compiling it need not be the target's. On a TPU,
+    ([`commjax.bucketing.auto_bucket_bytes`][] for its platform), which the exact row
+    always takes: the default of the process compiling it need not be the target's. On a TPU,
     buckets of a few MB keep the codecs' intermediates on chip, ``check_finite="reset"``
     spares the residual pass a second read of the old residuals, and bf16 residuals
     halve their state (``docs/accelerators.md``)."""
     _check_names(compressors)  # before the target's topology, which needs the aot extra
     mesh = aot.target_mesh(target)
     params = _shapes(num_params, layers, width)
-    auto = {}
+    default = auto_bucket_bytes(params, mesh.devices.flat[0].platform)
     if bucket_bytes == "auto":
-        bucket_bytes = auto_bucket_bytes(params, mesh.devices.flat[0].platform) or 0
-        auto = {"bucket_bytes": bucket_bytes or None}
-    runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact", auto)
+        bucket_bytes = default or 0
+    runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact",
+                 {"bucket_bytes": default})
     rows = []
     for label, tx in runs:
         rep = aot.analyze(aot.compile_update(tx, params, mesh), target)
-        rep.update(method=label, bucket_bytes=bucket_bytes or None)
+        size = {"exact": default, _BASE: None}.get(label, bucket_bytes or None)
+        rep.update(method=label, bucket_bytes=size)
         rows.append(rep)
     base = next(r for r in rows if r["method"] == _BASE)
     for r in rows:
@@ -370,10 +371,9 @@ def _main_target(args: argparse.Namespace) -> int:
                       check_finite=CHECK_FINITE[args.check_finite], width=args.width)
     print(f"{args.target} (compiled here, deviceless), {_model_line(args)}, per device and step")
     print(_options_line(args))
-    if args.bucket_mb is None:
-        size = rows[-1]["bucket_bytes"]
-        print(f"the target's default buckets (bucket_bytes=\"auto\"): "
-              + ("one bucket" if size is None else f"{size / 2 ** 20:g} MiB"))
+    size = rows[0]["bucket_bytes"]  # the exact row's: the target's default
+    print("the target's default (bucket_bytes=\"auto\", the exact row's): "
+          + ("one bucket" if size is None else f"buckets of {size / 2 ** 20:g} MiB"))
     print(target_table(rows))
     if args.json:
         with open(args.json, "w") as f:

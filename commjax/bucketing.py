@@ -1,4 +1,6 @@
-"""Exchanging a gradient tree in buckets of leaves, one bucket after the other.
+"""Exchanging a gradient tree in buckets of leaves, one bucket after the other: the default
+of [`commjax.compressed_mean`][] on a TPU backend (``bucket_bytes="auto"``,
+[`auto_bucket_bytes`][commjax.bucketing.auto_bucket_bytes]).
 
 [`commjax.compressed_mean`][] with ``bucket_bytes=B`` cuts the leaves, in tree order,
 into buckets of at most ``B`` bytes of fp32 values and runs one compressed mean per
