@@ -215,8 +215,7 @@ def methods(bucket_bytes: Any = None, residual_dtype: Any = jnp.float32, *, chos
 def default_buckets(target: str, model: str) -> Any:
     """The bucket size ``compressed_mean(bucket_bytes="auto")`` takes for ``model`` on
     ``target``'s platform (``None``: one bucket)."""
-    platform = aot.target_mesh(target).devices.flat[0].platform
-    return cj.bucketing.auto_bucket_bytes(models()[model], platform)
+    return aot.target_bucket_bytes(target, models()[model])
 
 
 def measure(target: str, model: str, names: list, dump: Any = None, table: Any = None) -> list:

@@ -48,10 +48,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from commjax import _compat, _hlo_traffic as hlo, layout
 from commjax.accounting import parse_hlo_collectives
+from commjax.bucketing import auto_bucket_bytes
 from commjax.sync import InBackwardSync
 
-__all__ = ["Target", "TARGETS", "target_mesh", "compile_update", "compile_train", "analyze",
-           "abstract", "compile_per_device"]
+__all__ = ["Target", "TARGETS", "target_mesh", "target_bucket_bytes", "compile_update", "compile_train",
+           "analyze", "abstract", "compile_per_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,13 @@ def target_mesh(target: str, axis_name: str = "data", shape: Optional[tuple] = N
     if shape is None:
         return Mesh(devs.reshape(-1), (axis_name,))
     return Mesh(devs.reshape(shape), tuple(axis_names))
+
+
+def target_bucket_bytes(target: str, params: Any) -> Optional[int]:
+    """The bucket size ``compressed_mean(bucket_bytes="auto")`` takes for ``params`` when run
+    on ``target`` ([`commjax.bucketing.auto_bucket_bytes`][] for the target's platform, not
+    the compiling process's backend); ``None``: one bucket."""
+    return auto_bucket_bytes(params, target_mesh(target).devices.flat[0].platform)
 
 
 def abstract(tree: Any, mesh: Mesh, specs: Any) -> Any:

@@ -50,7 +50,6 @@ import numpy as np
 import optax
 
 from commjax import _compat, aot, launch
-from commjax.bucketing import auto_bucket_bytes
 from commjax.compressors import cast, identity, powersgd, quantize, sign, top_k
 from commjax.step import data_parallel
 from commjax.transform import compressed_mean
@@ -243,7 +242,7 @@ def run_target(target: str, num_params: float = 1e9, *, compressors: Sequence[st
     _check_names(compressors)  # before the target's topology, which needs the aot extra
     mesh = aot.target_mesh(target)
     params = _shapes(num_params, layers, width)
-    default = auto_bucket_bytes(params, mesh.devices.flat[0].platform)
+    default = aot.target_bucket_bytes(target, params)
     if bucket_bytes == "auto":
         bucket_bytes = default or 0
     runs = _runs(compressors, _options(bucket_bytes, residual_dtype, check_finite), "exact",

@@ -275,6 +275,15 @@ _EXTRAS = importlib.util.find_spec("libtpu") is not None and importlib.util.find
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+def test_target_bucket_bytes_reads_the_targets_platform_not_the_process_backend():
+    """The compiling process runs on CPU (one bucket by default), yet a v5e target gets
+    the TPU's buckets and an H100 target one bucket."""
+    assert cj.bucketing.auto_bucket_bytes(_MLP) is None  # this process: CPU
+    assert aot.target_bucket_bytes("v5e:2x4", _MLP) == cj.bucketing.auto_bucket_bytes(_MLP, "tpu") == 4 << 20
+    assert aot.target_bucket_bytes("h100x8", _MLP) is None
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 @pytest.mark.parametrize("target", ["v5e:2x4", "v5p:2x2x2", "h100x8"])
 def test_deviceless_compile_for_accelerators(target):
     """A small compressed step compiles for TPU v5e and v5p topologies and an H100 from here,
