@@ -26,9 +26,26 @@ def _tree():
     return tree | {"n": jnp.arange(N * 3, dtype=jnp.int32).reshape(N, 3)}
 
 
-def _step(tx, mesh, grads, steps=2):
-    """``steps`` updates of per-replica gradients; every replica's updates and the state."""
-    state = cj.init_sharded(tx, jax.tree_util.tree_map(lambda a: a[0], grads), mesh, AX)
+def _declared_mask(tx, mesh, local):
+    """The per-replica mask commjax's state classes declare for ``tx``'s state, read from
+    ``tx.init`` traced once under ``shard_map`` (empty leaves replicated, as
+    ``cj.trace_update`` has them)."""
+    abstract = jax.eval_shape(_compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                                check_vma=False), local)
+    return jax.tree_util.tree_map(lambda m, a: bool(m) and a.size > 0, cj.per_replica_mask(abstract), abstract)
+
+
+def _step(tx, mesh, grads, steps=2, traced_layout=False):
+    """``steps`` updates of per-replica gradients; every replica's updates and the state.
+
+    The state is laid out by ``cj.init_sharded``: with ``traced_layout``, as it traces
+    ``tx.update`` to find the per-replica leaves (the test of a chained optimizer's layout);
+    else with the mask the state classes declare, which skips three traces of the bucketed
+    update (half the cost of a build). A wrong mask cannot pass unnoticed: a leaf that
+    varies but is laid out replicated fails the ``check_vma`` step below."""
+    local = jax.tree_util.tree_map(lambda a: a[0], grads)
+    mask = None if traced_layout else _declared_mask(tx, mesh, local)
+    state = cj.init_sharded(tx, local, mesh, AX, mask=mask)
     specs = cj.state_specs(state, AX)
 
     def local(g, s):
@@ -120,7 +137,7 @@ def test_bucketed_bytes_are_the_plan_and_replicas_agree(mesh, codec, reducer):
     grads = {k: v for k, v in _tree().items() if k != "n"}
     tx = optax.chain(cj.compressed_mean(codec, AX, reducer=reducer, min_compress_size=64,
                                         bucket_bytes=6_000), optax.adam(1e-3))
-    outs, state, f = _step(tx, mesh, grads)
+    outs, state, f = _step(tx, mesh, grads, traced_layout=True)
     for a in jax.tree_util.tree_leaves(outs[-1]):
         assert all(np.array_equal(r, a[0]) for r in a)
     local = jax.tree_util.tree_map(lambda a: a[0], grads)

@@ -19,6 +19,8 @@ same checks, as optax tests all its optimizers in one file:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,19 +100,32 @@ LEAF_LOCAL_NAN = ("mean-", "choco")
 MEAN_CASES = sorted(k for k in CASES if k.startswith("mean-"))
 
 
-def _params():
+@functools.lru_cache(maxsize=None)
+def _params_cached():
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     return {"w": jax.random.normal(k1, (48, 40)) * 0.1, "v": jax.random.normal(k2, (24, 32)) * 0.1,
             "b": jnp.zeros((40,))}
 
 
-def _grads(step: int, nan_at=None):
-    """Per-replica gradients ``[N, ...]``: replica ``r`` sees its own offset (non-i.i.d.)."""
+def _params():
+    """The parameters (drawn once: the cases ask for them hundreds of times)."""
+    return dict(_params_cached())
+
+
+@functools.lru_cache(maxsize=None)
+def _clean_grads(step: int):
     out = {}
     for i, (k, p) in enumerate(sorted(_params().items())):
         key = jax.random.fold_in(jax.random.PRNGKey(100 + i), step)
         g = np.asarray(jax.random.normal(key, (N,) + p.shape)) + np.arange(N).reshape((N,) + (1,) * p.ndim)
         out[k] = g.astype(np.float32)
+    return out
+
+
+def _grads(step: int, nan_at=None):
+    """Per-replica gradients ``[N, ...]``: replica ``r`` sees its own offset (non-i.i.d.).
+    Drawn once per step and copied (callers poison their copy)."""
+    out = {k: v.copy() for k, v in _clean_grads(step).items()}
     if nan_at is not None:
         out["w"][nan_at, 3, 5] = np.nan
     return out

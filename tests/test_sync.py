@@ -38,11 +38,12 @@ def _data():
     return jax.random.normal(jax.random.PRNGKey(1), (N * 4, 32))
 
 
-def _run(mesh, body, state, params, x, check_vma):
+def _compiled(mesh, body, state, check_vma):
+    """``body`` jitted under ``shard_map`` once, for every step it runs (built anew per
+    step, it was traced and compiled again each time)."""
     specs = cj.state_specs(state, AX)
-    f = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(AX)),
-                                  out_specs=(P(AX), specs), check_vma=check_vma))
-    return f(params, state, jax.device_put(x, NamedSharding(mesh, P(AX))))
+    return jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(AX)),
+                                     out_specs=(P(AX), specs), check_vma=check_vma))
 
 
 def _steps(sync, mesh, check_vma, steps=3, after=False):
@@ -59,9 +60,10 @@ def _steps(sync, mesh, check_vma, steps=3, after=False):
             (_, g), s = sync.value_and_grad(_loss)(p, s, xb)
         return jax.tree_util.tree_map(lambda a: a[None], g), s
 
+    f, xs = _compiled(mesh, body, state, check_vma), jax.device_put(x, NamedSharding(mesh, P(AX)))
     outs = []
     for _ in range(steps):
-        g, state = _run(mesh, body, state, params, x, check_vma)
+        g, state = f(params, state, xs)
         outs.append(g)
     return outs, state
 
