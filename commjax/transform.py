@@ -797,7 +797,8 @@ def _in_buckets(compressor: Compressor, axis_name: Any, seed: int, options: dict
     """``compressed_mean`` in buckets of ``bucket_bytes`` (``commjax.bucketing``)."""
     return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
                     bucket_bytes, f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
-                    split=not compressor.has_exchange, means_around=compressor.has_exchange)
+                    split=not compressor.has_exchange, means_around=compressor.has_exchange,
+                    pieces_apart=compressor.tpu_pieces_apart_in_buckets)
 
 
 def _auto_buckets(compressor: Compressor, axis_name: Any, seed: int,
