@@ -274,3 +274,38 @@ def test_a_state_made_in_other_buckets_is_refused_naming_bucket_bytes():
     for tx, other in ((one, many), (many, one)):
         with pytest.raises(ValueError, match="bucket_bytes"):
             tx.update(local, other.init(local))
+
+
+class _SignInPlace(type(cj.sign())):
+    """sign with its pieces read in place on TPU too (the other codecs' choice)."""
+
+    tpu_pieces_apart_in_buckets = False
+
+
+def _barriers(codec, mesh, params, platform, bucket_bytes):
+    """Optimization barriers in the bucketed step lowered (not compiled) for ``platform``."""
+    tx = cj.compressed_mean(codec, AX, bucket_bytes=bucket_bytes)
+    state = cj.init_sharded(tx, params, mesh, AX)
+    specs = cj.state_specs(state, AX)
+    step = _compat.shard_map(lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s),
+                             mesh=mesh, in_specs=(P(AX), specs), out_specs=(P(), specs), check_vma=False)
+    grads = jax.tree_util.tree_map(lambda a: jnp.zeros((N,) + a.shape, a.dtype), params)
+    text = jax.jit(step).trace(grads, state).lower(lowering_platforms=(platform,)).as_text()
+    return text.count("optimization_barrier")
+
+
+def test_sign_takes_cut_pieces_apart_on_tpu_only(mesh):
+    """On TPU, sign's pieces of a leaf cut across buckets are each taken out of the leaf
+    by a barrier (one per bucket holding such pieces: ``Compressor.tpu_pieces_apart_in_buckets``,
+    v5e numbers in ``commjax.bucketing``); lowered for CPU the step is the in-place one.
+    Lowered here for both platforms (no TPU needed)."""
+    params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((256,))}
+    size = 16384  # w: 64 KB, four pieces of 16 rows, one per bucket
+    cut = sum(any(p.rows is not None for p in g)
+              for g in bucket_groups(jax.tree_util.tree_leaves(params), size, split=True))
+    assert cut == 4
+    apart, in_place = cj.sign(), _SignInPlace()
+    assert apart.tpu_pieces_apart_in_buckets and not cj.quantize(8).tpu_pieces_apart_in_buckets
+    assert (_barriers(apart, mesh, params, "tpu", size)
+            == _barriers(in_place, mesh, params, "tpu", size) + cut)
+    assert _barriers(apart, mesh, params, "cpu", size) == _barriers(in_place, mesh, params, "cpu", size)
