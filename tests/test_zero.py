@@ -169,7 +169,6 @@ def _tile_order_run(weight_codec, mesh, monkeypatch, tiled: bool):
     replicated = NamedSharding(mesh, P())
     out, state = fn(jax.device_put(params, replicated), state, grads)
     out, _ = fn(jax.device_put(jax.tree_util.tree_map(lambda a: a[0], out), replicated), state, grads)
-    assert fn._cache_size() == 1
     return params, out
 
 
