@@ -798,7 +798,7 @@ def _in_buckets(compressor: Compressor, axis_name: Any, seed: int, options: dict
     return bucketed(lambda k: _one_bucket(compressor, axis_name, seed=int(seed) + k, in_buckets=True, **options),
                     bucket_bytes, f"compressed_mean({compressor.name}) in buckets of {bucket_bytes} bytes",
                     split=not compressor.has_exchange, means_around=compressor.has_exchange,
-                    pieces_apart=compressor.tpu_pieces_apart_in_buckets)
+                    pieces_apart=compressor.tpu_pieces_apart_in_buckets and options["check_finite"] is True)
 
 
 def _auto_buckets(compressor: Compressor, axis_name: Any, seed: int,

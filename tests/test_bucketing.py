@@ -282,9 +282,9 @@ class _SignInPlace(type(cj.sign())):
     tpu_pieces_apart_in_buckets = False
 
 
-def _barriers(codec, mesh, params, platform, bucket_bytes):
+def _barriers(codec, mesh, params, platform, bucket_bytes, **options):
     """Optimization barriers in the bucketed step lowered (not compiled) for ``platform``."""
-    tx = cj.compressed_mean(codec, AX, bucket_bytes=bucket_bytes)
+    tx = cj.compressed_mean(codec, AX, bucket_bytes=bucket_bytes, **options)
     state = cj.init_sharded(tx, params, mesh, AX)
     specs = cj.state_specs(state, AX)
     step = _compat.shard_map(lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s),
@@ -295,10 +295,11 @@ def _barriers(codec, mesh, params, platform, bucket_bytes):
 
 
 def test_sign_takes_cut_pieces_apart_on_tpu_only(mesh):
-    """On TPU, sign's pieces of a leaf cut across buckets are each taken out of the leaf
-    by a barrier (one per bucket holding such pieces: ``Compressor.tpu_pieces_apart_in_buckets``,
-    v5e numbers in ``commjax.bucketing``); lowered for CPU the step is the in-place one.
-    Lowered here for both platforms (no TPU needed)."""
+    """On TPU, with the default ``check_finite``, sign's pieces of a leaf cut across
+    buckets are each taken out of the leaf by a barrier (one per bucket holding such
+    pieces: ``Compressor.tpu_pieces_apart_in_buckets``, v5e numbers in
+    ``commjax.bucketing``); lowered for CPU, or with ``check_finite="reset"``, the step is
+    the in-place one. Lowered here for both platforms (no TPU needed)."""
     params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((256,))}
     size = 16384  # w: 64 KB, four pieces of 16 rows, one per bucket
     cut = sum(any(p.rows is not None for p in g)
@@ -309,3 +310,5 @@ def test_sign_takes_cut_pieces_apart_on_tpu_only(mesh):
     assert (_barriers(apart, mesh, params, "tpu", size)
             == _barriers(in_place, mesh, params, "tpu", size) + cut)
     assert _barriers(apart, mesh, params, "cpu", size) == _barriers(in_place, mesh, params, "cpu", size)
+    assert (_barriers(apart, mesh, params, "tpu", size, check_finite="reset")
+            == _barriers(in_place, mesh, params, "tpu", size, check_finite="reset"))

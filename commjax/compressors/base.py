@@ -99,9 +99,10 @@ class Compressor:
     # is set; else by encoding and decoding. Measured per codec (benchmarks/aot.py, one
     # bucket and 4 MB buckets on a v5e).
     reencode_by_feedback: ClassVar[bool] = True
-    # In buckets on TPU, the pieces of a leaf cut across buckets are each taken out of the
-    # leaf by a barrier before encoding (commjax.bucketing, ``pieces_apart``). Measured per
-    # codec (benchmarks/aot.py, v5e, 4 MB buckets).
+    # In buckets on TPU, with the default check_finite (a flagged leaf keeps its residual),
+    # the pieces of a leaf cut across buckets are each taken out of the leaf by a barrier
+    # before encoding (commjax.bucketing, ``pieces_apart``). Measured per codec
+    # (benchmarks/aot.py, v5e, 4 MB buckets).
     tpu_pieces_apart_in_buckets: ClassVar[bool] = False
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
