@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat, bucket, bucketing, transform
 from commjax.bucketing import BucketedState, Piece, bucket_groups
+from declared_layout import declared_mask
 
 N = 8
 AX = "data"
@@ -26,15 +27,6 @@ def _tree():
     return tree | {"n": jnp.arange(N * 3, dtype=jnp.int32).reshape(N, 3)}
 
 
-def _declared_mask(tx, mesh, local):
-    """The per-replica mask commjax's state classes declare for ``tx``'s state, read from
-    ``tx.init`` traced once under ``shard_map`` (empty leaves replicated, as
-    ``cj.trace_update`` has them)."""
-    abstract = jax.eval_shape(_compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
-                                                check_vma=False), local)
-    return jax.tree_util.tree_map(lambda m, a: bool(m) and a.size > 0, cj.per_replica_mask(abstract), abstract)
-
-
 def _step(tx, mesh, grads, steps=2, traced_layout=False):
     """``steps`` updates of per-replica gradients; every replica's updates and the state.
 
@@ -44,7 +36,7 @@ def _step(tx, mesh, grads, steps=2, traced_layout=False):
     update (half the cost of a build). A wrong mask cannot pass unnoticed: a leaf that
     varies but is laid out replicated fails the ``check_vma`` step below."""
     local = jax.tree_util.tree_map(lambda a: a[0], grads)
-    mask = None if traced_layout else _declared_mask(tx, mesh, local)
+    mask = None if traced_layout else declared_mask(tx, local, mesh)
     state = cj.init_sharded(tx, local, mesh, AX, mask=mask)
     specs = cj.state_specs(state, AX)
 

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import commjax as cj
 from commjax import _compat
 from commjax import collectives as cc
+from declared_layout import declared_mask
 
 AX = "data"
 N = 8
@@ -154,15 +155,8 @@ def _mesh():
 
 
 def _init(tx, params, mesh):
-    """``cj.init_sharded`` with the per-replica mask commjax's state classes declare (read
-    from ``tx.init`` traced once under ``shard_map``; empty leaves replicated, as
-    ``cj.trace_update`` has them) instead of tracing ``tx.update`` again to find it: what
-    these tests check is the values, and tracing the layout was half of each case's
-    build. The traced layout of every codec and reducer is tests/test_contract.py's."""
-    abstract = jax.eval_shape(_compat.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
-                                                check_vma=False), params)
-    mask = jax.tree_util.tree_map(lambda m, a: bool(m) and a.size > 0, cj.per_replica_mask(abstract), abstract)
-    return cj.init_sharded(tx, params, mesh, AX, mask=mask)
+    """``cj.init_sharded`` with the declared per-replica mask: these tests check values."""
+    return cj.init_sharded(tx, params, mesh, AX, mask=declared_mask(tx, params, mesh))
 
 
 def _run_mean(codec, reducer, grads):
