@@ -289,7 +289,8 @@ def measure_fsdp(target: str, model: str, names: list) -> list:
             return jax.grad(loss)(sh)
 
         fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs, check_vma=False))
-        rep = aot.analyze(fn.lower(*args).compile(), target)
+        with aot.traced_for(mesh):
+            rep = aot.analyze(fn.lower(*args).compile(), target)
         rep.update(method=name, family="fsdp", grad_bytes=sum(4 * a.size for a in jax.tree_util.tree_leaves(params)))
         rows.append(rep)
         print(f"  {name}: traffic {rep['traffic'] / 1e6:.1f} MB, temp {rep['temp'] / 1e6:.1f} MB, "

@@ -121,7 +121,8 @@ def compile_probe(params, mesh, axis: str = "data"):
     step = lambda p, e, es, g: probe_step(p, e, es, g, n, axis)  # noqa: E731
     fn = jax.jit(_compat.shard_map(step, mesh=mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
                                    out_specs=(P(), P(axis), P(axis)), check_vma=False), donate_argnums=(0, 1, 2))
-    return fn.lower(p, res, srv, g).compile()
+    with aot.traced_for(mesh):
+        return fn.lower(p, res, srv, g).compile()
 
 
 def main(argv=None) -> int:

@@ -14,11 +14,13 @@ the rest of the library is written against a single API:
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as _config  # config options' API: no public home in 0.10
 from jax.extend.core import Primitive as _Primitive
 from jax.extend.core import Var as _JaxprVar  # the jaxpr types' public home since 0.4.36
 from jax.interpreters import ad, batching, mlir
@@ -237,3 +239,89 @@ def barrier(tree: Any) -> Any:
     OptimizationBarrier), each keeping its varying/invariant type under ``check_vma``."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return jax.tree_util.tree_unflatten(treedef, _BARRIER.bind(*leaves)) if leaves else tree
+
+
+# ------------------------------------------------------------------ per-platform code
+#: The platforms ``COMMJAX_TRACE_PLATFORM`` may name (``lax.platform_dependent``'s keys).
+TRACE_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
+_TRACE_PLATFORM_ENV = "COMMJAX_TRACE_PLATFORM"
+
+
+def _trace_platform_state() -> Any:
+    """The ``commjax_trace_platform`` JAX config option, set from
+    ``$COMMJAX_TRACE_PLATFORM``. It is part of the jit cache key, so a program traced
+    under one value is never reused under another."""
+    value = os.environ.get(_TRACE_PLATFORM_ENV, "")
+    if value not in ("", *TRACE_PLATFORMS):
+        raise ValueError(f"${_TRACE_PLATFORM_ENV}={value!r} is not a platform: set it to one of "
+                         f"{TRACE_PLATFORMS}, or leave it unset to trace every platform's code")
+    state = _config.config_states.get("commjax_trace_platform")
+    if state is None:
+        # JAX reads the variable by the option's name too; it is read here instead, so
+        # that an empty value means unset.
+        saved = os.environ.pop(_TRACE_PLATFORM_ENV, None)
+        try:
+            state = _config.optional_enum_state(
+                name="commjax_trace_platform", enum_values=list(TRACE_PLATFORMS), default=None,
+                help="Trace only this platform's branch of commjax's per-platform code "
+                     "(None: every platform's, as lax.platform_dependent does).",
+                include_in_jit_key=True, include_in_trace_context=True)
+        finally:
+            if saved is not None:
+                os.environ[_TRACE_PLATFORM_ENV] = saved
+        if value:
+            jax.config.update("commjax_trace_platform", value)
+    return state
+
+
+TRACE_PLATFORM = _trace_platform_state()
+
+
+def _make_traced_for():
+    # An identity on one output of a branch traced alone. It lowers to nothing, and it
+    # refuses to lower for any platform but the one traced: without it a program traced
+    # for one chip would lower silently for another with the wrong chip's layout.
+    prim = _Primitive("commjax_traced_for")
+    prim.def_impl(lambda x, *, platform: x)
+    prim.def_abstract_eval(lambda aval, *, platform: aval)
+
+    def lowering(ctx, x, *, platform):
+        wanted = tuple(ctx.module_context.platforms)
+        if wanted != (platform,):
+            raise ValueError(
+                f"this program was traced with commjax_trace_platform={platform!r} "
+                f"(${_TRACE_PLATFORM_ENV}) and holds only the {platform} branch of commjax's "
+                f"per-platform code; to lower it for {wanted}, trace it again with the option "
+                f"unset (jax.config.update('commjax_trace_platform', None)) or set to that platform")
+        return [x]
+
+    mlir.register_lowering(prim, lowering)
+    ad.deflinear2(prim, lambda ct, x, *, platform: [ct])
+    batching.defvectorized(prim)
+    return prim
+
+
+_TRACED_FOR = _make_traced_for()
+
+
+def platform_dependent(*args: Any, default: Optional[Callable[..., Any]] = None,
+                       **branches: Callable[..., Any]) -> Any:
+    """``lax.platform_dependent(*args, default=default, **branches)``, or, when the
+    ``commjax_trace_platform`` option names a platform, only that platform's branch.
+
+    ``lax.platform_dependent`` traces every branch, because the platform is known only at
+    lowering. Tracing commjax's TPU, GPU and CPU layouts of one step costs more than the
+    one that runs (on the CPU, about 40% of a small step's time to first result). With the
+    option set (``COMMJAX_TRACE_PLATFORM=cpu``, or ``jax.config.update(
+    "commjax_trace_platform", "cpu")``), only the chosen branch is traced, inline: the
+    compiled program is the same for that platform, and lowering it for any other fails
+    with a ``ValueError`` that says so, instead of running code laid out for another chip.
+    """
+    chosen = TRACE_PLATFORM.value
+    branch = branches.get(chosen, default) if chosen is not None else None
+    if branch is None:
+        return lax.platform_dependent(*args, default=default, **branches)
+    leaves, treedef = jax.tree_util.tree_flatten(branch(*args))
+    if leaves:
+        leaves[0] = _TRACED_FOR.bind(leaves[0], platform=chosen)
+    return jax.tree_util.tree_unflatten(treedef, leaves)

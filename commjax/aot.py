@@ -52,7 +52,7 @@ from commjax.bucketing import auto_bucket_bytes
 from commjax.sync import InBackwardSync
 
 __all__ = ["Target", "TARGETS", "target_mesh", "target_bucket_bytes", "compile_update", "compile_train",
-           "analyze", "abstract", "compile_per_device"]
+           "analyze", "abstract", "compile_per_device", "traced_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +114,15 @@ def target_bucket_bytes(target: str, params: Any) -> Optional[int]:
     return auto_bucket_bytes(params, target_mesh(target).devices.flat[0].platform)
 
 
+def traced_for(mesh: Mesh) -> Any:
+    """A context in which commjax traces only the per-platform code of ``mesh``'s
+    platform (the ``commjax_trace_platform`` option, [`commjax._compat.platform_dependent`][]):
+    what runs there, without tracing the other chips' layouts as well."""
+    platform = mesh.devices.flat[0].platform
+    platform = {"gpu": "cuda"}.get(platform, platform)
+    return _compat.TRACE_PLATFORM(platform if platform in _compat.TRACE_PLATFORMS else None)
+
+
 def abstract(tree: Any, mesh: Mesh, specs: Any) -> Any:
     """``jax.ShapeDtypeStruct``\\ s of ``tree`` placed with ``specs`` (one spec or a tree)."""
     if isinstance(specs, P):
@@ -129,7 +138,8 @@ def compile_per_device(fn: Callable[..., Any], mesh: Mesh, *shapes: tuple):
     ``(shape, dtype)``: how a kernel or codec alone compiles for the target."""
     sm = _compat.shard_map(fn, mesh=mesh, in_specs=tuple(P() for _ in shapes), out_specs=P(), check_vma=False)
     args = [abstract(jax.ShapeDtypeStruct(s, d), mesh, P()) for s, d in shapes]
-    return jax.jit(sm).lower(*args).compile()
+    with traced_for(mesh):
+        return jax.jit(sm).lower(*args).compile()
 
 
 def _state(tx, params, mesh, axis_name, per_replica_params=False):
@@ -145,6 +155,11 @@ def compile_update(tx: optax.GradientTransformation, params: Any, mesh: Mesh, ax
     """The compiled update step ``(params, state, grads) -> (params, state)`` of ``tx``
     over ``axis_name`` (each replica's gradient in, ``optax.apply_updates`` out), for
     ``params`` given as shapes (one replica's). Buffers donated, as a training loop would."""
+    with traced_for(mesh):
+        return _compile_update(tx, params, mesh, axis_name, per_replica_params)
+
+
+def _compile_update(tx, params, mesh, axis_name, per_replica_params):
     n = mesh.shape[axis_name]
     state, specs = _state(tx, params, mesh, axis_name, per_replica_params)
     pspec = P(axis_name) if per_replica_params else P()
@@ -170,6 +185,11 @@ def compile_train(loss: Callable[..., jax.Array], tx: optax.GradientTransformati
     the global batch), then ``tx`` and ``optax.apply_updates``. With ``sync`` the exchange
     runs in the backward pass ([`commjax.sync_in_backward`][]) and ``tx`` is the optimizer
     alone."""
+    with traced_for(mesh):
+        return _compile_train(loss, tx, params, batch, mesh, axis_name, sync)
+
+
+def _compile_train(loss, tx, params, batch, mesh, axis_name, sync):
     full = tx if sync is None else optax.chain(sync.as_transform(), tx)
     state, specs = _state(full, params, mesh, axis_name)
     p, b = abstract(params, mesh, P()), abstract(batch, mesh, P(axis_name))

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from commjax import _compat
 
 __all__ = ["MAX_ROW_WIDTH", "row_width", "concat", "as_rows", "cut", "tiled", "tile_sharded", "ravel_tiles",
            "unravel_tiles", "ravel_leaf", "unravel_leaf", "ravel_shard", "unravel_shard"]
@@ -140,4 +141,4 @@ def unravel_shard(v: jax.Array, shape: Sequence[int]) -> jax.Array:
 def _by_layout(x: Any, tiled_fn: Any, flat_fn: Any) -> Any:
     """``tiled_fn(x)`` when lowered for TPU, ``flat_fn(x)`` elsewhere: the one switch
     between the two memory orders (tests force the TPU's on CPU)."""
-    return lax.platform_dependent(x, tpu=tiled_fn, default=flat_fn)
+    return _compat.platform_dependent(x, tpu=tiled_fn, default=flat_fn)

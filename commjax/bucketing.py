@@ -195,7 +195,7 @@ def _apart(pieces: list, group: tuple) -> list:
     cut = [i for i, p in enumerate(group) if p.rows is not None]
     if not cut:
         return pieces
-    taken = lax.platform_dependent([pieces[i] for i in cut], tpu=_compat.barrier, default=lambda v: v)
+    taken = _compat.platform_dependent([pieces[i] for i in cut], tpu=_compat.barrier, default=lambda v: v)
     out = list(pieces)
     for i, v in zip(cut, taken):
         out[i] = v

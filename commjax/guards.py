@@ -165,7 +165,7 @@ def l2_norm_near(arrays: Sequence[jax.Array], hint: jax.Array, *, tpu_sums: bool
         return jnp.zeros((), jnp.float32)
     hint = jnp.asarray(hint, jnp.float32).reshape(())
     on_tpu = _banded_norm if tpu_sums else l2_norm
-    return lax.platform_dependent(hint, *arrays, tpu=lambda h, *xs: on_tpu(xs), default=_scaled_sum_norm)
+    return _compat.platform_dependent(hint, *arrays, tpu=lambda h, *xs: on_tpu(xs), default=_scaled_sum_norm)
 
 
 #: ``_banded_norm``'s scales (powers of two) and the least sum a band is trusted with.

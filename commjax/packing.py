@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from commjax import _compat
+
 __all__ = ["sliced", "words_per_plane", "packed_words", "pack_codes", "unpack_codes", "pack_lane_rows",
            "unpack_lane_rows"]
 
@@ -76,7 +78,7 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
     # codes' producer into them (the codes are written out as uint32: 67 MB of a sign step
     # of 13.7M parameters); a reduction over the k axis of [.., k, W] fuses it. A TPU pads
     # that array's minor W to 128 lanes, so accelerators OR the slices.
-    return lax.platform_dependent(codes, cpu=functools.partial(_pack_stacked, bits=bits, k=k),
+    return _compat.platform_dependent(codes, cpu=functools.partial(_pack_stacked, bits=bits, k=k),
                                   default=functools.partial(_pack_sliced, bits=bits, k=k))
 
 
@@ -182,7 +184,7 @@ def unpack_codes(words: jax.Array, bits: int, block_size: int) -> jax.Array:
     # concatenates them (sign: 32 slices, 1.2 GB more per step of a 13.7M-parameter model);
     # a [.., k, W] array from one broadcast shift is a single fusion there. A TPU pads that
     # array's minor W (8 for sign) to 128 lanes, so accelerators keep the concatenation.
-    return lax.platform_dependent(words, cpu=functools.partial(_unpack_stacked, bits=bits),
+    return _compat.platform_dependent(words, cpu=functools.partial(_unpack_stacked, bits=bits),
                                   default=functools.partial(_unpack_sliced, bits=bits))[..., :block_size]
 
 

@@ -465,7 +465,7 @@ def _zero_bad(parts: list, ok: list) -> list:
     def decide(ps, *oks):
         return lax.cond(jnp.all(jnp.stack(oks)), lambda qs: list(qs), lambda qs: select(qs, *oks), ps)
 
-    return lax.platform_dependent(parts, *ok, cpu=decide, tpu=decide, default=select)
+    return _compat.platform_dependent(parts, *ok, cpu=decide, tpu=decide, default=select)
 
 
 def _with_residuals(parts, residuals, segments):

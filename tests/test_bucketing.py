@@ -282,7 +282,8 @@ def _barriers(codec, mesh, params, platform, bucket_bytes, **options):
     step = _compat.shard_map(lambda g, s: tx.update(jax.tree_util.tree_map(lambda a: a[0], g), s),
                              mesh=mesh, in_specs=(P(AX), specs), out_specs=(P(), specs), check_vma=False)
     grads = jax.tree_util.tree_map(lambda a: jnp.zeros((N,) + a.shape, a.dtype), params)
-    text = jax.jit(step).trace(grads, state).lower(lowering_platforms=(platform,)).as_text()
+    with _compat.TRACE_PLATFORM(platform):
+        text = jax.jit(step).trace(grads, state).lower(lowering_platforms=(platform,)).as_text()
     return text.count("optimization_barrier")
 
 

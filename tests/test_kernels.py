@@ -113,7 +113,8 @@ def test_cuda_lowering_has_no_kernel():
     x = jnp.zeros((64, 256))
     for impl in ("auto", "pallas"):
         f = jax.jit(lambda x: kernels.quantize_blocks(x, bits=4, residual=x, output="residual", impl=impl))
-        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        with _compat.TRACE_PLATFORM("cuda"):
+            text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" not in text and "tpu_custom_call" not in text, impl
 
 
@@ -495,7 +496,8 @@ def test_kernels_lower_for_accelerators(platform, marker):
     block shapes; compiled for a TPU target: benchmarks/aot.py)."""
     for nb in (64, 70):  # whole tiles, and a ragged tail
         for name, (f, args) in _lowering_cases(256, nb).items():
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            with _compat.TRACE_PLATFORM(platform):
+                text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
             assert marker in text, f"{name} (nb={nb}) did not lower to a {platform} kernel"
 
 
@@ -512,7 +514,8 @@ def test_kernels_lower_inside_shard_map_with_vma_checks(platform, marker):
                                              impl="pallas")
 
     sm = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=True)
-    text = jax.jit(sm).trace(x).lower(lowering_platforms=(platform,)).as_text()
+    with _compat.TRACE_PLATFORM(platform):
+        text = jax.jit(sm).trace(x).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) >= 2
 
 

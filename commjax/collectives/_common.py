@@ -98,7 +98,7 @@ def flat_columns(rows: jax.Array, start: int, stop: int) -> jax.Array:
     a 13.7M MLP, 4 CPU devices, one-off timing, median of 30 steps: 255 ms flat, 215 ms
     joined, 210 ms unpadded)."""
     cut = rows[:, start:stop]
-    return lax.platform_dependent(cut, cpu=lambda c: jnp.concatenate(list(c)),
+    return _compat.platform_dependent(cut, cpu=lambda c: jnp.concatenate(list(c)),
                                   default=lambda c: c.reshape(-1))
 
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commjax import _compat
 from commjax.validation import check_choice, check_positive_int
 
 __all__ = [
@@ -293,7 +294,7 @@ class BlockCompressor(Compressor):
                 return jnp.all(jnp.isfinite(scales))
             return f
 
-        return lax.platform_dependent(words, tpu=finite(True), default=finite(False))
+        return _compat.platform_dependent(words, tpu=finite(True), default=finite(False))
 
     def encode(self, x, key, segments=None, *, start: int = 0):
         """``float32[n] -> uint32[payload_words(n)]``; ``start``: see ``encode_blocks``."""

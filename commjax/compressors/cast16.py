@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commjax import _compat
 from commjax.compressors.base import BlockCompressor
 from commjax.compressors.lossless import Lossless, lossless
 from commjax.packing import pack_codes, pack_lane_rows, unpack_codes, unpack_lane_rows
@@ -67,13 +68,13 @@ class Cast(BlockCompressor):
         half = lax.bitcast_convert_type(self._round(blocks), jnp.uint16)
         if self.block_size % 128:
             return pack_codes(half, 16)
-        return lax.platform_dependent(half, tpu=pack_halves_lane_rows, default=lambda h: pack_codes(h, 16))
+        return _compat.platform_dependent(half, tpu=pack_halves_lane_rows, default=lambda h: pack_codes(h, 16))
 
     def decode_blocks(self, rows):
         if self.block_size % 128:
             codes = unpack_codes(rows, 16, self.block_size)
         else:  # see pack_halves_lane_rows
-            codes = lax.platform_dependent(rows, tpu=unpack_halves_lane_rows,
+            codes = _compat.platform_dependent(rows, tpu=unpack_halves_lane_rows,
                                            default=lambda r: unpack_codes(r, 16, self.block_size))
         return lax.bitcast_convert_type(codes.astype(jnp.uint16), self.dtype).astype(jnp.float32)
 

@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from commjax import _compat
 from commjax import noise
 from commjax.accounting import ring_bytes
 from commjax.compressors.base import Compressor, Segment, check_choice, check_positive_int
@@ -310,7 +311,7 @@ def product(m: jax.Array, f: jax.Array, *, transposed: bool) -> jax.Array:
         branches["cuda"] = functools.partial(_chunked_product, transposed=transposed, chunks=chunks)
     if not branches:
         return dot(m, f)
-    return lax.platform_dependent(m, f, **branches, default=dot)
+    return _compat.platform_dependent(m, f, **branches, default=dot)
 
 
 def _chunked_product(m: jax.Array, f: jax.Array, *, transposed: bool, chunks: int) -> jax.Array:
@@ -349,7 +350,7 @@ def low_rank_product(p: jax.Array, q: jax.Array) -> jax.Array:
 
     if p.shape[-1] > 8:
         return dot(p, q)
-    return lax.platform_dependent(p, q, cpu=dot, default=outer_sum)
+    return _compat.platform_dependent(p, q, cpu=dot, default=outer_sum)
 
 
 def outer_sum(p: jax.Array, q: jax.Array) -> jax.Array:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from commjax import _compat
 from commjax.compressors.base import Compressor, Segment, check_choice
 from commjax.compressors.cast16 import Cast
 from commjax.compressors.exact import identity
@@ -255,7 +256,7 @@ def exact_top_k(mag: jax.Array, k: int, *, of_abs: bool = False) -> jax.Array:
     else:
         tpu = lambda v: sorted_top_k(absolute(v), k)  # noqa: E731
     gpu = (lambda v: grouped_top_k(v, k, of_abs=of_abs)) if group_size(m, k) > 1 else cpu  # noqa: E731
-    return lax.platform_dependent(mag, cpu=cpu, tpu=tpu, default=gpu)
+    return _compat.platform_dependent(mag, cpu=cpu, tpu=tpu, default=gpu)
 
 
 def _order_keys(v: jax.Array) -> jax.Array:

@@ -123,7 +123,7 @@ def _by_platform(g: jax.Array, e: jax.Array, f: jax.Array, *, apart, summed) -> 
     larger than ``_TPU_SUM_BYTES``; ``summed(g, e, f)`` elsewhere: the one switch between
     the two forms of ``_times`` (tests force either on CPU)."""
     big = g.size * 4 > _TPU_SUM_BYTES
-    return lax.platform_dependent(g, e, f, cuda=apart, tpu=apart if big else summed, default=summed)
+    return _compat.platform_dependent(g, e, f, cuda=apart, tpu=apart if big else summed, default=summed)
 
 
 def _members(p: jax.Array, q: jax.Array) -> tuple[list, list]:
@@ -133,7 +133,7 @@ def _members(p: jax.Array, q: jax.Array) -> tuple[list, list]:
     new residuals in place of the old (H100, GPT-2 small's PowerSGD step: 552 MB of
     copies of the new residuals)."""
     ps, qs = [p[j] for j in range(p.shape[0])], [q[j] for j in range(q.shape[0])]
-    return lax.platform_dependent(ps, qs, cuda=lambda a, b: lax.optimization_barrier((a, b)),
+    return _compat.platform_dependent(ps, qs, cuda=lambda a, b: lax.optimization_barrier((a, b)),
                                   default=lambda a, b: (a, b))
 
 

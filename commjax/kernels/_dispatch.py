@@ -219,6 +219,6 @@ def _per_platform(args: Sequence[Any], **branches: Callable[..., Any]) -> Any:
 
         return run
 
-    return lax.platform_dependent(
+    return _compat.platform_dependent(
         *[args[i] for i in present], **{k: wrap(v) for k, v in branches.items()}
     )

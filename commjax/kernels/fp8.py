@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commjax import _compat
 from commjax.kernels._dispatch import dispatch, fence, pow2, resolve_impl
 from commjax.kernels._lanes import check_noise, drawn, lane_encode
 from commjax.kernels._tiling import lane_rowable, row_call, tile_rows
@@ -214,7 +215,7 @@ def fp8_decode(rows: jax.Array, *, fmt: str) -> jax.Array:
     words = rows[:, :-1]
     b = 4 * words.shape[1]
     if b % 128 == 0 and rows.shape[0]:
-        return lax.platform_dependent(rows, tpu=lambda r: _decode_lanes(r, f), default=lambda r: _decode(r, f))
+        return _compat.platform_dependent(rows, tpu=lambda r: _decode_lanes(r, f), default=lambda r: _decode(r, f))
     return _decode(rows, f)
 
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from commjax import _compat
 from commjax import packing
 from commjax.kernels._dispatch import fence
 
@@ -97,7 +98,7 @@ def row_absmax(y: jax.Array) -> jax.Array:
 
     # TPU and GPU reduce a row in one fusion; the split's [nb, b / 8, 8] intermediate has
     # a minor dimension of 8, which a TPU pads to 128 lanes (16x its bytes).
-    top = lax.platform_dependent(bits, cpu=split, default=lambda v: jnp.max(v, axis=1))
+    top = _compat.platform_dependent(bits, cpu=split, default=lambda v: jnp.max(v, axis=1))
     return lax.bitcast_convert_type(top, jnp.float32)
 
 
@@ -210,7 +211,7 @@ def by_platform(lane_fn: Any, block_fn: Any, x: jax.Array, uniforms: Optional[ja
         return call
 
     ops = [a for a in (uniforms, residual) if a is not None]
-    return lax.platform_dependent(x, *ops, tpu=bind(lane_fn), default=bind(block_fn))
+    return _compat.platform_dependent(x, *ops, tpu=bind(lane_fn), default=bind(block_fn))
 
 
 def quantize_lane_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str],
@@ -257,7 +258,7 @@ def _codes_once(codes: jax.Array, bits: int) -> jax.Array:
 
     def once(c):
         return lax.optimization_barrier(c.astype(narrow)).astype(jnp.uint32)
-    return lax.platform_dependent(codes, cpu=once, default=lambda c: c)
+    return _compat.platform_dependent(codes, cpu=once, default=lambda c: c)
 
 
 def quantize_block_rows(x, uniforms, residual, *, bits: int, levels: int, output: Optional[str],
@@ -301,7 +302,7 @@ def row_scales(x: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
     # On TPU summed over 128-lane rows, then over each block's rows: the flat vector's own
     # layout there (kernels and reference take these same scales).
     fused = 4 * math.prod(shape) <= _FUSED_SCALES_BYTES
-    return lax.platform_dependent(y, tpu=lambda v: _block_mean_abs(v, (-1, 128), shape, fused=fused),
+    return _compat.platform_dependent(y, tpu=lambda v: _block_mean_abs(v, (-1, 128), shape, fused=fused),
                                   default=lambda v: _block_mean_abs(v, shape))
 
 
@@ -405,7 +406,7 @@ def decode_reference(rows: jax.Array, *, bits: int, block_size: int, offset: int
     opts = dict(bits=bits, block_size=block_size, offset=offset, step=step, divisor=divisor)
     if block_size % 128 or not packing.sliced(bits) or rows.shape[0] == 0:
         return decode_block_rows(rows, **opts)
-    return lax.platform_dependent(rows, tpu=lambda r: decode_lane_rows(r, **opts),
+    return _compat.platform_dependent(rows, tpu=lambda r: decode_lane_rows(r, **opts),
                                   default=lambda r: decode_block_rows(r, **opts))
 
 

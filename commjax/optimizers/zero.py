@@ -296,7 +296,7 @@ def _check_replicated(cfg: _Config, params: list, first: jax.Array) -> jax.Array
         present = {d.platform for d in jax.devices()}
         branches = {p: report for p in ("cpu", "cuda", "rocm", "tpu")
                     if p in present or (p in ("cuda", "rocm") and "gpu" in present)}
-        return lax.platform_dependent(differ, default=lambda d: d, **branches)
+        return _compat.platform_dependent(differ, default=lambda d: d, **branches)
 
     return lax.cond(first, test, lambda ps: jnp.asarray(False), params)
 
@@ -389,7 +389,7 @@ def _inner_step(cfg: _Config, inner, treedef, g_shards: list, p_shards: list, st
     def chosen(s):
         return guards.keep_if(first, start(), vary(s))
 
-    inner_state = lax.platform_dependent(old_inner, cpu=fresh, tpu=fresh, default=chosen)
+    inner_state = _compat.platform_dependent(old_inner, cpu=fresh, tpu=fresh, default=chosen)
     grads = jax.tree_util.tree_unflatten(treedef, g_shards)
     u, new_inner = inner.update(grads, inner_state, master_tree)
     new_master = [m + jnp.asarray(d, jnp.float32) for m, d in zip(master, jax.tree_util.tree_leaves(u))]
@@ -413,7 +413,7 @@ def _materialized_on_tpu(tree: Any) -> Any:
     returned as it is (no barrier to place)."""
     if not jax.tree_util.tree_leaves(tree):
         return tree
-    return lax.platform_dependent(tree, tpu=lax.optimization_barrier, default=lambda t: t)
+    return _compat.platform_dependent(tree, tpu=lax.optimization_barrier, default=lambda t: t)
 
 
 def _tile_sharded(l: _Leaf, n: int) -> bool:
