@@ -48,7 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from commjax import _compat
-from commjax.varying import trace_varying
+from commjax.varying import trace_varying, varying_of
 
 __all__ = [
     "infer_per_replica",
@@ -330,9 +330,11 @@ def carry_layout(step: Callable[..., Any], carry: Any, args: tuple, args_axes: t
     n = len(jax.tree_util.tree_leaves(carry))
     treedef = jax.tree_util.tree_structure(carry)
     axes = list(carry_axes) if carry_axes is not None else [frozenset()] * n
+    # One trace; the fixed point is over the dataflow pass alone.
+    varying = varying_of(step, (carry,) + tuple(args), mesh)
     for _ in range(n + 1):
         tree = jax.tree_util.tree_unflatten(treedef, axes)
-        outs = trace_varying(step, (carry,) + tuple(args), (tree,) + tuple(args_axes), mesh)
+        outs = varying((tree,) + tuple(args_axes))
         new = [a | o for a, o in zip(axes, outs[:n])]
         if new == axes:
             return axes, outs[n:]

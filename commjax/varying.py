@@ -34,7 +34,7 @@ from jax.extend import core as jex_core
 
 from commjax import _compat
 
-__all__ = ["Axes", "propagate", "trace_varying"]
+__all__ = ["Axes", "propagate", "trace_varying", "varying_of"]
 
 #: The set of mesh axis names a value varies over.
 Axes = frozenset
@@ -166,13 +166,25 @@ def trace_varying(fn: Callable[..., Any], args: Sequence[Any], in_axes: Sequence
     itself (``lax.pcast(x, to="varying")`` of a replicated value) leaves no trace there:
     such *declared* per-replica fields come from [`commjax.layout.per_replica`][].
     """
+    return varying_of(fn, args, mesh)(in_axes)
+
+
+def varying_of(fn: Callable[..., Any], args: Sequence[Any],
+               mesh: Any) -> Callable[[Sequence[Any]], list[frozenset]]:
+    """``fn(*args)`` traced once, as [`trace_varying`][commjax.varying.trace_varying]
+    traces it, and returned as the map ``in_axes -> axes of each output leaf``.
+
+    The trace does not depend on the inputs' axes (nothing is typed under
+    ``check_vma=False``), only the dataflow pass over it does: a fixed point over the
+    inputs' layout ([`commjax.layout.carry_layout`][]) traces once and propagates as
+    often as it needs."""
     flat, treedef = jax.tree_util.tree_flatten(tuple(args))
-    flat_axes = _flat_axes(args, in_axes, len(flat))
 
     def flat_fn(*leaves):
         return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, leaves)))
 
-    return propagate(_inner_jaxpr(flat_fn, flat, mesh), flat_axes)
+    jaxpr = _inner_jaxpr(flat_fn, flat, mesh)
+    return lambda in_axes: propagate(jaxpr, _flat_axes(args, in_axes, len(flat)))
 
 
 def _inner_jaxpr(flat_fn: Callable[..., Any], flat: list, mesh: Any) -> Any:
