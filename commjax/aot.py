@@ -116,8 +116,9 @@ def target_bucket_bytes(target: str, params: Any) -> Optional[int]:
 
 def traced_for(mesh: Mesh) -> Any:
     """A context in which commjax traces only the per-platform code of ``mesh``'s
-    platform (the ``commjax_trace_platform`` option, [`commjax._compat.platform_dependent`][]):
-    what runs there, without tracing the other chips' layouts as well."""
+    platform (the ``commjax_trace_platform`` option, ``$COMMJAX_TRACE_PLATFORM``): what
+    runs there, without tracing the other chips' layouts as well. The compile functions
+    here enter it themselves."""
     platform = mesh.devices.flat[0].platform
     platform = {"gpu": "cuda"}.get(platform, platform)
     return _compat.TRACE_PLATFORM(platform if platform in _compat.TRACE_PLATFORMS else None)

@@ -49,8 +49,6 @@ def _params():
 def _transforms() -> dict:
     out = {f"mean-{n}": (lambda c=c: cj.compressed_mean(c, AX, min_compress_size=256))
            for n, c in CODECS.items()}
-    out["mean-q8-buckets"] = lambda: cj.compressed_mean(cj.quantize(8), AX, bucket_bytes=64 * 1024,
-                                                        min_compress_size=256)
     out["mean-sign-buckets"] = lambda: cj.compressed_mean(cj.sign(), AX, bucket_bytes=64 * 1024,
                                                           min_compress_size=256)
     out["mean-q4-reset"] = lambda: cj.compressed_mean(cj.quantize(4), AX, check_finite="reset",
@@ -101,7 +99,7 @@ def test_one_platform_traced_alone_is_the_same_cpu_program(mesh):
     """Traced with every branch or with the CPU's alone, a compressed step gives the same
     bits on the CPU; the program traced alone has no per-platform choice left in it, and
     lowering it for another platform fails naming the option."""
-    tx = cj.compressed_mean(cj.quantize(4), AX, bucket_bytes=64 * 1024, min_compress_size=256)
+    tx = cj.compressed_mean(cj.quantize(4), AX, min_compress_size=256)
     params = _params()
     step, (p, _, state) = _traced(tx, mesh, params)
     keys = jax.random.split(jax.random.PRNGKey(0), len(params))

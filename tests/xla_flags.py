@@ -5,7 +5,10 @@ Two code generations, chosen by ``$COMMJAX_TEST_CODEGEN``:
 
 * ``default`` (when unset): XLA's CPU code generation as users get it, at backend
   optimisation level 0 (LLVM's passes cost more than they save on programs that run a
-  few steps; the HLO, so every byte count and collective, is the same at every level).
+  few steps; the HLO, so every byte count and collective, is the same at every level),
+  with each program's machine code generated in one piece instead of split over threads
+  (on the 2-core CI machine the other pytest worker holds the other core: a fifth off a
+  full-range test file's time).
 * ``fast``: the same, plus the CPU backend's older elemental emitters instead of its
   fusion emitters, which compile the same HLO in about half the time. Their machine code
   differs: where a product meets an addition they may emit a fused multiply-add in one
@@ -41,6 +44,9 @@ LEGACY_EMITTER_JAXLIB = ("0.10.",)
 RENDEZVOUS_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 #: jaxlib releases known to have that flag.
 RENDEZVOUS_JAXLIB = ("0.10.",)
+CODEGEN_SPLIT_FLAGS = "--xla_cpu_parallel_codegen_split_count=1"
+#: jaxlib releases known to have that flag.
+CODEGEN_SPLIT_JAXLIB = ("0.10.",)
 
 
 def _jaxlib_version() -> str:
@@ -65,6 +71,8 @@ def compile_flags() -> str:
     flags = [OPTIMIZATION_FLAGS]
     if _jaxlib_version().startswith(RENDEZVOUS_JAXLIB):
         flags.append(RENDEZVOUS_FLAGS)
+    if _jaxlib_version().startswith(CODEGEN_SPLIT_JAXLIB):
+        flags.append(CODEGEN_SPLIT_FLAGS)
     if codegen() == "fast":
         flags.append(LEGACY_EMITTER_FLAGS)
     return " ".join(flags)
