@@ -168,8 +168,8 @@ def test_quantize_lane_kernel_is_the_reference(bits, block):
         for output, res, mr in ((None, None, False), ("decoded", None, False), ("residual", e, False),
                                 ("residual", e, True)):
             kw = dict(bits=bits, output=output, residual=res, midrise=mr, **noise)
-            got = Q.quantize_blocks(x, impl="interpret", **kw)
-            want = Q.quantize_blocks(x, impl="reference", **kw)
+            got = jax.jit(lambda x: Q.quantize_blocks(x, impl="interpret", **kw))(x)
+            want = jax.jit(lambda x: Q.quantize_blocks(x, impl="reference", **kw))(x)
             _same(got, want, bits=True)
 
 
@@ -186,8 +186,9 @@ def test_decode_lane_kernels_are_the_reference(bits, offset, step, divisor, bloc
     scales = jnp.resize(jnp.array([1.0, 3e38, 1e-39, jnp.nan, 0.5, 0.0, 2e-30], jnp.float32), (3, nb))
     rows = rows.at[..., -1].set(jax.lax.bitcast_convert_type(scales, jnp.uint32))
     kw = dict(bits=bits, block_size=block, offset=offset, step=step, divisor=divisor)
-    _same([D.decode_sum(rows, impl="interpret", **kw), D.decode_rows(rows[1], impl="interpret", **kw)],
-          [D.decode_sum(rows, impl="reference", **kw), D.decode_rows(rows[1], impl="reference", **kw)], bits=True)
+    both = jax.jit(lambda r, impl: (D.decode_sum(r, impl=impl, **kw), D.decode_rows(r[1], impl=impl, **kw)),
+                   static_argnums=1)
+    _same(both(rows, "interpret"), both(rows, "reference"), bits=True)
 
 
 @pytest.mark.parametrize("fmt,block", [("e4m3", 256), ("e5m2", 512), ("e4m3", 128)])
