@@ -314,8 +314,9 @@ def platform_dependent(*args: Any, default: Optional[Callable[..., Any]] = None,
     one that runs (on the CPU, about 40% of a small step's time to first result). With the
     option set (``COMMJAX_TRACE_PLATFORM=cpu``, or ``jax.config.update(
     "commjax_trace_platform", "cpu")``), only the chosen branch is traced, inline: the
-    compiled program is the same for that platform, and lowering it for any other fails
-    with a ``ValueError`` that says so, instead of running code laid out for another chip.
+    same computation for that platform (XLA may schedule it a little differently without
+    the conditional), and lowering it for any other fails with a ``ValueError`` that says
+    so, instead of running code laid out for another chip.
     """
     chosen = TRACE_PLATFORM.value
     branch = branches.get(chosen, default) if chosen is not None else None
