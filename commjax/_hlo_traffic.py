@@ -17,7 +17,8 @@ memory spaces (TPU VMEM and SMEM: ``S(1)``, ``S(2)``, ...) are on chip and count
   root) reads its other operands (of a fusion's, the part it needs) and writes its
   updates, not the whole buffer;
 * a slice (``slice``, ``dynamic-slice``, and the TPU's asynchronous ``slice-start`` into
-  VMEM) reads its piece, not the array it is cut from;
+  VMEM) reads its piece, not the array it is cut from, and reads it from HBM only when
+  that array is in HBM (a slice of a leaf prefetched into VMEM reads on chip);
 * asynchronous pairs count once: a ``*-start`` its operands, a ``*-done`` its result.
 
 Conditional branches are counted apart (``branch_bytes``: the largest branch of each):
@@ -169,6 +170,12 @@ def shape_bytes(shape: str, *, hbm_only: bool = True) -> float:
 
 
 
+def _in_hbm(shape: str) -> float:
+    """1 when the (first) array of an HLO shape text lives in HBM or is unknown, else 0."""
+    arrays = hlo_arrays(shape)
+    return 1.0 if not arrays or array_bytes(*arrays[0])[1] == 0 else 0.0
+
+
 @dataclasses.dataclass
 class Traffic:
     """HBM bytes of one computation: ``straight`` (every step: the straight-line operations
@@ -243,7 +250,8 @@ def instr_bytes(module: Module, ins: Instr, sizes: dict) -> float:
         arrays = hlo_arrays(ins.shape)
         piece = arrays[1] if ins.opcode == "slice-start" and len(arrays) > 1 else arrays[0]
         written = 0.0 if ins.opcode == "slice-start" else shape_bytes(ins.shape)
-        return array_bytes(*piece)[0] + written
+        # A slice of an array already on chip (a leaf prefetched to VMEM) reads no HBM.
+        return array_bytes(*piece)[0] * _in_hbm(sizes.get(ins.operands[0], "")) + written
     reads = [shape_bytes(sizes.get(o, "")) for o in ins.operands]
     if ins.opcode.endswith("-start"):
         return sum(reads)

@@ -81,6 +81,34 @@ def test_traffic_counts_views_slices_and_async_pairs():
     assert t.straight == sum(by.values())
 
 
+_ON_CHIP = """HloModule slices, is_scheduled=true
+
+ENTRY %main (c: f32[1024]) -> f32[128] {
+  %c = f32[1024]{0} parameter(0)
+  %cs = (f32[1024]{0}, f32[1024]{0:S(1)}, u32[]{:S(2)}) copy-start(%c)
+  %cd = f32[1024]{0:S(1)} copy-done(%cs)
+  %on_chip = f32[128]{0:S(1)} slice(%cd), slice={[0:128]}
+  %to_chip = f32[128]{0:S(1)} slice(%c), slice={[128:256]}
+  %in_hbm = f32[128]{0} slice(%c), slice={[256:384]}
+  %out = f32[128]{0} slice(%cd), slice={[384:512]}
+  ROOT %sum = f32[128]{0} add(%on_chip, %to_chip)
+}
+"""
+
+
+def test_a_slice_reads_hbm_only_from_an_array_in_hbm():
+    """A leaf prefetched into VMEM (a copy-start/done into ``S(1)``) is read from HBM once,
+    by the copy; the slices taken from it on chip move nothing, and a slice counts its
+    write only when its piece lands in HBM."""
+    by = {name: b for b, _, name in hlo.traffic(hlo.parse(_ON_CHIP)).ops}
+    assert by["cs"] == 4096 and "cd" not in by  # the prefetch reads the whole leaf once
+    assert "on_chip" not in by  # VMEM to VMEM
+    assert by["to_chip"] == 512  # read from HBM, written on chip
+    assert by["in_hbm"] == 1024  # read and written in HBM
+    assert by["out"] == 512  # read on chip, written to HBM
+    assert by["sum"] == 512  # operands on chip, the result written to HBM
+
+
 _COND = """HloModule cond, is_scheduled=true
 
 %keep (p: (f32[1024], f32[1024])) -> f32[1024] {
