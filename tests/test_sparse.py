@@ -624,10 +624,13 @@ def test_segmentwise_top_k_is_the_joined_encoding():
     olds = [jnp.asarray(rng.standard_normal(s.size).astype(np.float32)) for s in segs]
     olds[1] = olds[1].at[:7].set(-0.0)
     for codec in (top_k(0.05), top_k(0.05, values_dtype=jnp.bfloat16, chunk_size=64)):
+        # Jitted: op by op, every eager operation would be a compile of its own.
+        encode = jax.jit(lambda y, codec=codec: codec.encode_residual(y, None, segs))
+        segmentwise = jax.jit(lambda p, o, k, codec=codec: _encode_segmentwise(codec, p, segs, o, None, k))
         y = jnp.concatenate([p + r for p, r in zip(parts, olds)])
-        words_ref, res_ref = codec.encode_residual(y, None, segs)
+        words_ref, res_ref = encode(y)
         keep = [jnp.asarray(False)] * len(segs)
-        words, outs = _encode_segmentwise(codec, parts, segs, olds, None, keep)
+        words, outs = segmentwise(parts, olds, keep)
         np.testing.assert_array_equal(np.asarray(words), np.asarray(words_ref))
         for o, s in zip(outs, segs):
             np.testing.assert_array_equal(np.asarray(o).view(np.uint32),
@@ -635,7 +638,7 @@ def test_segmentwise_top_k_is_the_joined_encoding():
         keep[1] = jnp.asarray(True)
         bad = list(parts)
         bad[1] = parts[1].at[3].set(jnp.nan).at[5].set(jnp.inf)
-        sent, kept = _encode_segmentwise(codec, bad, segs, olds, None, keep)
+        sent, kept = segmentwise(bad, olds, keep)
         np.testing.assert_array_equal(np.asarray(kept[1]).view(np.uint32), np.asarray(olds[1]).view(np.uint32))
         assert np.all(np.isfinite(np.asarray(codec.decode(sent, sum(s.padded_size for s in segs), segs))))
         for i in (0, 2, 4):
