@@ -385,8 +385,9 @@ def test_fsdp_gather_compiles_deviceless(target):
 
     fn = jax.jit(_compat.shard_map(grad, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs,
                                    check_vma=False))
-    compiled = fn.lower(aot.abstract(shards, mesh, specs),
-                        aot.abstract(sds((8 * 64, 1024), jnp.float32), mesh, P("data"))).compile()
+    with aot.traced_for(mesh):
+        compiled = fn.lower(aot.abstract(shards, mesh, specs),
+                            aot.abstract(sds((8 * 64, 1024), jnp.float32), mesh, P("data"))).compile()
     text = compiled.as_text()
     assert "all-gather" in text and ("all-to-all" in text or "reduce-scatter" in text or "all-reduce" in text)
 
