@@ -28,13 +28,14 @@ demo: $(STAMP)
 # file's module fixtures are built once; the slowest files start first (tests/conftest.py).
 # Every test but those marked exact_codegen compiles with XLA's faster CPU emitters, then
 # those run with the default ones (tests/xla_flags.py). Fails if either run fails; exit
-# status 5 (no test collected) if either collected nothing. --capture=sys: what XLA's C++
+# status 5 (no test collected) if either collected nothing. The second run collects only
+# the files that mark a test. --capture=sys: what XLA's C++
 # code writes to stderr reaches the log (a worker that aborted left no message when
 # pytest captured file descriptor 2 into a file that died with it).
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --capture=sys
 test: $(STAMP)
 	@COMMJAX_TEST_CODEGEN=fast $(PYTEST); a=$$?; \
-	COMMJAX_TEST_CODEGEN=default $(PYTEST) -m exact_codegen; b=$$?; \
+	COMMJAX_TEST_CODEGEN=default $(PYTEST) -m exact_codegen $$(grep -l exact_codegen tests/test_*.py); b=$$?; \
 	for rc in $$a $$b; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done; \
 	if [ $$a -eq 5 ] || [ $$b -eq 5 ]; then exit 5; fi
 
