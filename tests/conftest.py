@@ -42,7 +42,13 @@ def mesh():
 
 #: Test files that take longest, started first: with ``-n 2 --dist loadfile`` (make test)
 #: the two workers then finish together instead of one waiting on the last long file.
-SLOW_FIRST = (  # by their time in the suite, longest first (test_kernels: the exact pass)
+SLOW_FIRST = (
+    "test_contract.py", "test_examples.py", "test_multiprocess_compressors.py",
+    "test_streaming_diloco_multiprocess.py", "test_zero_multiprocess.py", "test_streaming_diloco.py",
+    "test_compressed_mean.py", "test_kernels.py", "test_powersgd.py", "test_zero.py",
+    "test_launch.py", "test_onebit.py", "test_checkpoint.py", "test_sparse.py",
+    "test_collectives.py", "test_step.py", "test_reduce_parts.py",
+)
     "test_kernels.py", "test_examples.py", "test_sparse.py", "test_contract.py", "test_lane_rows.py",
     "test_bucketing.py", "test_codecs.py", "test_collectives.py", "test_powersgd.py",
     "test_compressed_mean.py", "test_zero.py", "test_fullrange.py", "test_dead_rows.py",
