@@ -49,14 +49,6 @@ SLOW_FIRST = (
     "test_launch.py", "test_onebit.py", "test_checkpoint.py", "test_sparse.py",
     "test_collectives.py", "test_step.py", "test_reduce_parts.py",
 )
-    "test_kernels.py", "test_examples.py", "test_sparse.py", "test_contract.py", "test_lane_rows.py",
-    "test_bucketing.py", "test_codecs.py", "test_collectives.py", "test_powersgd.py",
-    "test_compressed_mean.py", "test_zero.py", "test_fullrange.py", "test_dead_rows.py",
-    "test_model_parallel_mesh.py", "test_launch.py", "test_multiprocess_compressors.py", "test_docs.py",
-    "test_pipeline_example.py", "test_reduce_parts.py", "test_lossless.py", "test_checkpoint.py",
-    "test_platforms.py", "test_onebit.py", "test_convergence.py", "test_diloco.py",
-    "test_zero_multiprocess.py", "test_streaming_diloco_multiprocess.py", "test_streaming_diloco.py",
-)
 
 
 def pytest_configure(config):
