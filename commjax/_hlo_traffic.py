@@ -15,7 +15,8 @@ memory spaces (TPU VMEM and SMEM: ``S(1)``, ``S(2)``, ...) are on chip and count
   sector per element it picks: ``_hlo_reads``);
 * an in-place update (``dynamic-update-slice`` or ``scatter``, alone or as a fusion's
   root) reads its other operands (of a fusion's, the part it needs) and writes its
-  updates, not the whole buffer;
+  updates, not the whole buffer; so does one into a buffer its fusion allocates
+  (``AllocateBuffer``: the first piece of an array joined from pieces, a cut leaf's mean);
 * a slice (``slice``, ``dynamic-slice``, and the TPU's asynchronous ``slice-start`` into
   VMEM) reads its piece, not the array it is cut from, and reads it from HBM only when
   that array is in HBM (a slice of a leaf prefetched into VMEM reads on chip);
@@ -217,6 +218,14 @@ def _updates(ins: Instr) -> list:
     return ins.operands[n + 1:]
 
 
+def _allocated(module: Module, comp: str, name: Optional[str]) -> bool:
+    """Whether ``name`` is a buffer allocated in the fused computation ``comp`` (a custom
+    call to ``AllocateBuffer``): uninitialized, so an update into it writes its piece only
+    (the first piece of a joined array; later pieces update that buffer in place)."""
+    return any(i.name == name and i.opcode == "custom-call" and '"AllocateBuffer"' in i.attrs
+               for i in module.computations.get(comp, []))
+
+
 def _in_place(module: Module, ins: Instr, comp: Optional[str], sizes: dict) -> Optional[float]:
     """Bytes of an in-place update: the other operands read (the part of each a fused
     computation reads), the updates written; the buffer updated is neither."""
@@ -226,12 +235,12 @@ def _in_place(module: Module, ins: Instr, comp: Optional[str], sizes: dict) -> O
             return None
         params = _params(module, comp)
         buffer = roots[0].operands[0] if roots[0].operands else None
-        if buffer not in params:
+        if buffer not in params and not _allocated(module, comp, buffer):
             return None
         reads = _partial_reads(module, comp, [shape_bytes(sizes.get(o, "")) for o in ins.operands])
         inner = module.shapes(comp)
         written = sum(shape_bytes(inner.get(o, "")) for o in _updates(roots[0]))
-        return sum(r for k, r in enumerate(reads) if k != params[buffer]) + written
+        return sum(r for k, r in enumerate(reads) if k != params.get(buffer)) + written
     if ins.opcode not in ("scatter", "dynamic-update-slice"):
         return None
     reads = sum(shape_bytes(sizes.get(o, "")) for o in ins.operands[1:])

@@ -264,6 +264,59 @@ def test_in_place_updates_and_gathers_charge_what_they_touch():
     assert by["looked_up"] == 8 * 64 * 4 + 8 * 4 + 8 * 64 * 4
 
 
+_JOINED = """HloModule joined, is_scheduled=true
+
+%first (p: f32[256], q: f32[1024]) -> f32[4096,1024] {
+  %p = f32[256]{0} parameter(0)
+  %q = f32[1024]{0} parameter(1)
+  %buf = f32[4096,1024]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %pb = f32[256,1024]{1,0} broadcast(%p), dimensions={0}
+  %qb = f32[256,1024]{1,0} broadcast(%q), dimensions={1}
+  %piece = f32[256,1024]{1,0} multiply(%pb, %qb)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[4096,1024]{1,0} dynamic-update-slice(%buf, %piece, %zero, %zero)
+}
+
+%next (b: f32[4096,1024], p: f32[256], q: f32[1024]) -> f32[4096,1024] {
+  %b = f32[4096,1024]{1,0} parameter(0)
+  %p = f32[256]{0} parameter(1)
+  %q = f32[1024]{0} parameter(2)
+  %pb = f32[256,1024]{1,0} broadcast(%p), dimensions={0}
+  %qb = f32[256,1024]{1,0} broadcast(%q), dimensions={1}
+  %piece = f32[256,1024]{1,0} multiply(%pb, %qb)
+  %row = s32[] constant(256)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[4096,1024]{1,0} dynamic-update-slice(%b, %piece, %row, %zero)
+}
+
+%fresh () -> f32[4096,1024] {
+  %buf = f32[4096,1024]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %neg = f32[4096,1024]{1,0} negate(%buf)
+}
+
+ENTRY %main (p: f32[256], q: f32[1024]) -> f32[4096,1024] {
+  %p = f32[256]{0} parameter(0)
+  %q = f32[1024]{0} parameter(1)
+  %j0 = f32[4096,1024]{1,0} fusion(%p, %q), kind=kLoop, calls=%first
+  %j1 = f32[4096,1024]{1,0} fusion(%j0, %p, %q), kind=kLoop, calls=%next
+  %whole = f32[4096,1024]{1,0} fusion(), kind=kLoop, calls=%fresh
+  ROOT %out = f32[4096,1024]{1,0} add(%j1, %whole)
+}
+"""
+
+
+def test_a_joined_array_is_written_piece_by_piece():
+    """An array joined from pieces (a cut leaf's mean) is a chain of in-place updates, the
+    first into a buffer its fusion allocates: each writes its piece and reads its
+    operands, none the whole array; a fusion that writes a whole allocated buffer pays
+    for all of it."""
+    by = {name: b for b, _, name in hlo.traffic(hlo.parse(_JOINED)).ops}
+    piece, whole = 256 * 1024 * 4, 4096 * 1024 * 4
+    assert by["j0"] == piece + 256 * 4 + 1024 * 4
+    assert by["j1"] == piece + 256 * 4 + 1024 * 4
+    assert by["whole"] == whole
+
+
 def test_overlap_and_ideal_from_the_schedule():
     module = hlo.parse(_TEXT)
     target = aot.TARGETS["h100x8"]
