@@ -39,7 +39,7 @@ from typing import Optional
 
 from commjax._hlo_reads import read_fractions
 
-__all__ = ["Instr", "Module", "parse", "array_bytes", "shape_bytes", "traffic", "Traffic"]
+__all__ = ["Instr", "Module", "parse", "array_bytes", "shape_bytes", "traffic", "Traffic", "input_copies"]
 
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8,
          "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "s16": 16, "u16": 16, "f16": 16,
@@ -308,3 +308,41 @@ def traffic(module: Module, comp: Optional[str] = None) -> Traffic:
         if b:
             ops.append((b, ins.opcode, ins.name))
     return Traffic(straight, branches, sorted(ops, reverse=True))
+
+
+#: Collectives that may write their result into their operand's buffer (a GPU's all-reduce).
+_IN_PLACE_COLLECTIVES = {"all-reduce", "all-reduce-start"}
+
+
+def input_copies(module: Module) -> dict:
+    """``{name: bytes}`` of the entry computation's copies of its own parameters made only
+    to be an in-place collective's buffer: ``copy(parameter)`` whose every user (through
+    bitcasts) is an all-reduce. A program may not overwrite an input it was not given, so
+    a GPU program whose gradients are its inputs copies each one it all-reduces alone; a
+    train step, whose backward pass writes the gradients, copies none."""
+    entry = module.computations.get(module.entry, [])
+    by = {i.name: i for i in entry}
+    users: dict = {}
+    for i in entry:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+
+    def source(name: str) -> Optional[Instr]:
+        i = by.get(name)
+        while i is not None and i.opcode == "bitcast" and i.operands:
+            i = by.get(i.operands[0])
+        return i
+
+    def ends(name: str) -> list:
+        return [e for u in users.get(name, []) for e in (ends(u.name) if u.opcode == "bitcast" else [u])]
+
+    sizes = module.shapes(module.entry)
+    out = {}
+    for i in entry:
+        src = source(i.operands[0]) if i.opcode == "copy" and i.operands else None
+        if src is None or src.opcode != "parameter":
+            continue
+        final = ends(i.name)
+        if final and all(u.opcode in _IN_PLACE_COLLECTIVES for u in final):
+            out[i.name] = instr_bytes(module, i, sizes)
+    return out

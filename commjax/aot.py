@@ -11,7 +11,12 @@ such a target and reads, per step and device:
 * ``traffic``: HBM bytes of every top-level operation, layout padding counted
   (``commjax._hlo_traffic``), each conditional's cheapest branch included (one branch
   runs every step); ``branch_bytes``, what the costliest branches cost beyond it, apart
-  (some steps only);
+  (some steps only); ``input_copies``, apart and not in ``traffic``: the copies a program
+  makes of its gradient inputs to all-reduce them in place (a GPU's all-reduce writes into
+  its operand, and an input is not the program's to overwrite). An update step compiled
+  alone (``compile_update``) has its gradients as inputs; in training the backward pass
+  writes them and nothing is copied (``compile_train``: none). On an H100 the plain
+  ``pmean`` step of the 21M-parameter MLP copied 134 of its 621 MB this way;
 * ``ideal``: the one-pass ideal, every input read once, every output written once, and
   each collective's send buffer written once and its receive buffer read once (a
   perfectly fused encode, exchange, decode and optimizer);
@@ -322,6 +327,8 @@ def analyze(compiled, target: str) -> dict:
     text = compiled.as_text()
     module = hlo.parse(text)
     traffic = hlo.traffic(module)
+    copies = hlo.input_copies(module)
+    moved = traffic.straight - sum(copies.values())
     report = parse_hlo_collectives(text)
     ring = {c.hlo_name: c.ring_bytes for c in report.collectives}
     mem = compiled.memory_analysis()
@@ -329,16 +336,17 @@ def analyze(compiled, target: str) -> dict:
     wire = report.total_ring_bytes
     hidden = sum(min(r["transfer_s"], r["compute_s"]) for r in rows)
     out = {
-        "target": target, "traffic": traffic.straight, "branch_bytes": traffic.branch_bytes,
+        "target": target, "traffic": moved, "branch_bytes": traffic.branch_bytes,
+        "input_copies": sum(copies.values()),
         "ideal": _io_bytes(module) + _collective_io(module),
         "temp": float(mem.temp_size_in_bytes), "arguments": float(mem.argument_size_in_bytes),
         "outputs": float(mem.output_size_in_bytes), "cost_bytes": _cost_bytes(compiled),
         "wire": wire, "collectives": [{"kind": c.kind, "dtypes": list(c.dtypes), "ring_bytes": c.ring_bytes,
                                         "name": c.hlo_name} for c in report.collectives],
         "kernels": _kernels(text), "async": rows,
-        "largest": [{"bytes": b, "op": op, "name": n} for b, op, n in traffic.ops[:8]],
+        "largest": [{"bytes": b, "op": op, "name": n} for b, op, n in traffic.ops if n not in copies][:8],
     }
-    compute = traffic.straight / t.hbm_bw
+    compute = moved / t.hbm_bw
     for link, bw in (("fast", t.fast_link_bw), ("slow", t.slow_link_bw)):
         comm = len(report.collectives) * t.alpha + wire / bw
         covered = sum(min(r["ring_bytes"] / bw, r["compute_s"]) for r in rows)

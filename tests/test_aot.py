@@ -317,6 +317,44 @@ def test_a_joined_array_is_written_piece_by_piece():
     assert by["whole"] == whole
 
 
+_INPUT_COPIES = """HloModule copies
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (g: f32[1,1024,256], h: f32[1,512], w: f32[512]) -> (f32[1024,256], f32[512], f32[512]) {
+  %g = f32[1,1024,256]{2,1,0} parameter(0)
+  %h = f32[1,512]{1,0} parameter(1)
+  %w = f32[512]{0} parameter(2)
+  %cg = f32[1,1024,256]{2,1,0} copy(%g)
+  %bg = f32[1024,256]{1,0} bitcast(%cg)
+  %ars = f32[1024,256]{1,0} all-reduce-start(%bg), replica_groups={}, to_apply=%sum
+  %ard = f32[1024,256]{1,0} all-reduce-done(%ars)
+  %ch = f32[1,512]{1,0} copy(%h)
+  %bh = f32[512]{0} bitcast(%ch)
+  %ar = f32[512]{0} all-reduce(%bh), replica_groups={}, to_apply=%sum
+  %used = f32[512]{0} add(%bh, %w)
+  %cw = f32[512]{0} copy(%w)
+  %arw = f32[512]{0} all-reduce(%cw), replica_groups={}, to_apply=%sum
+  ROOT %out = (f32[1024,256]{1,0}, f32[512]{0}, f32[512]{0}) tuple(%ard, %used, %arw)
+}
+"""
+
+
+def test_a_copy_of_an_input_for_an_in_place_all_reduce_is_reported_apart():
+    """A copy of a parameter that only an all-reduce reads (through bitcasts) is the
+    buffer a GPU reduces in place, made because the input is not the program's to
+    overwrite: listed by ``input_copies``. A copy that anything else also reads is the
+    step's own traffic."""
+    module = hlo.parse(_INPUT_COPIES)
+    assert hlo.input_copies(module) == {"cg": 2 * 1024 * 256 * 4, "cw": 2 * 512 * 4}
+    counted = {name for _, _, name in hlo.traffic(module).ops}
+    assert {"cg", "ch", "cw"} <= counted  # the counter itself counts every copy
+
+
 def test_overlap_and_ideal_from_the_schedule():
     module = hlo.parse(_TEXT)
     target = aot.TARGETS["h100x8"]
@@ -468,6 +506,28 @@ def test_zero_shards_travel_as_reduce_scatter_and_all_gather_on_tpu(codec):
     doubled = sum(c.ring_bytes / 2 for c in rep.collectives if c.kind == "all-reduce")
     assert rep.total_ring_bytes - doubled == pytest.approx(cj.communication_plan(tx, params, 8).compiled_bytes,
                                                            abs=0.5), rep.table()
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+def test_the_h100_update_step_reports_its_gradient_copies_apart():
+    """On an H100, ``pmean`` of gradients given as inputs copies the leaf it all-reduces
+    alone (the all-reduce writes into its operand): reported as ``input_copies``, out of
+    ``traffic``. A train step, whose backward pass writes the gradients, copies nothing."""
+    mesh = aot.target_mesh("h100x8")
+    params = {"w": jax.ShapeDtypeStruct((2048, 2048), jnp.float32)}
+    rep = aot.analyze(aot.compile_update(optax.chain(bench.plain_mean(), optax.sgd(0.1)), params, mesh), "h100x8")
+    leaf = 2048 * 2048 * 4
+    assert rep["input_copies"] == 2 * leaf
+    assert rep["traffic"] >= rep["ideal"] > 0
+    assert all(r["op"] != "copy" or r["bytes"] < leaf for r in rep["largest"])
+
+    def loss(p, x):
+        return jnp.mean(jnp.square(x @ p["w"]))
+
+    batch = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
+    train = aot.analyze(aot.compile_train(loss, optax.chain(bench.plain_mean(), optax.sgd(0.1)), params, batch,
+                                          mesh), "h100x8")
+    assert train["input_copies"] == 0
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
