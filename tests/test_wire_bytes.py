@@ -11,7 +11,7 @@ import commjax as cj
 from commjax import _compat
 from commjax import collectives as cc
 from commjax.collectives._common import (
-    GATHER_WORDS, SHARD_PAD_MIN, SHARD_TILE, gathered_width, scatter_width, shard_width,
+    GATHER_WORDS, SHARD_PAD_MIN, SHARD_TILE, _pad_chunks, gathered_width, join_rows, scatter_width, shard_width,
 )
 from commjax.testing import mlp_4m_params, update_collectives
 
@@ -134,6 +134,18 @@ def test_shard_widths_are_whole_tiles_of_the_reduce_scatter_shape():
         tiles, rest = divmod(scatter_width(e), SHARD_TILE)
         odd = tiles // (tiles & -tiles)
         assert not rest and tiles % 2 == 0 and odd <= 127, (e, tiles)
+
+
+@pytest.mark.parametrize("chunk", [17 * SHARD_TILE, 17 * SHARD_TILE + 5])
+def test_chunks_padded_flat_are_the_padded_rows(chunk):
+    """The TPU's padding of a reduce-scatter's chunks (``_common._pad_chunks``, flat, in
+    the vector's own layout) is the rows every other backend pads (``join_rows``)."""
+    n = 4
+    v = jnp.arange(n * chunk, dtype=jnp.float32) + 1
+    w = scatter_width(chunk)
+    assert w > chunk
+    rows = join_rows([v.reshape(n, chunk)], scatter_width)
+    np.testing.assert_array_equal(np.asarray(_pad_chunks(v, n, w)), np.asarray(rows.reshape(-1)))
 
 
 @pytest.mark.parametrize("codec", [None, cj.quantize(8, stochastic=False)], ids=["exact", "int8"])

@@ -142,7 +142,7 @@ def test_state_is_a_shard_plus_the_master(task, mesh):
     assert state.residual == ()
 
 
-def _tile_order_run(weight_codec, mesh, monkeypatch, tiled: bool):
+def _tile_order_run(weight_codec, mesh, monkeypatch, tiled: bool, grad_codec=q(8, False)):
     """Two steps of zero on leaves whose shards are whole (8, 128) tile rows (``w``,
     ``t``) and one whose are not (``v``), the TPU weight order forced on or off."""
     if tiled:  # what a TPU runs: leaves sent in their tiles' order, each a bitcast there
@@ -154,7 +154,7 @@ def _tile_order_run(weight_codec, mesh, monkeypatch, tiled: bool):
     grads = jax.tree_util.tree_map(
         lambda a: jnp.asarray(rng.normal(size=(N,) + a.shape), jnp.float32), params)
     # SGD: weight changes as varied as the gradients (Adam's first steps are all +-lr).
-    tx = cj.zero(optax.sgd(0.1), AX, grad_codec=q(8, False), weight_codec=weight_codec, min_compress_size=512)
+    tx = cj.zero(optax.sgd(0.1), AX, grad_codec=grad_codec, weight_codec=weight_codec, min_compress_size=512)
     state = cj.init_sharded(tx, params, mesh, AX)
     specs = cj.state_specs(state, AX)
 
@@ -192,6 +192,21 @@ def test_weights_in_tile_order_are_the_same_leaves(mesh, monkeypatch):
         assert np.linalg.norm(b - a) < 0.2 * np.linalg.norm(a), k
     assert not np.array_equal(np.asarray(flat["w"]), np.asarray(tiled["w"]))
     np.testing.assert_array_equal(np.asarray(flat["v"]), np.asarray(tiled["v"]))
+
+
+def test_exact_zero_in_tile_order_is_the_same_bits(mesh, monkeypatch):
+    """Exact ZeRO sends and receives its leaves in the order a TPU stores them (the
+    gradient's reduce-scatter on tile rows, ``collectives._common.scatter_flat``; the
+    weights' all-gather, ``zero._send_order``): forced here, every parameter bit for bit
+    the row-major run's, and the forced run really took the other order (its pieces
+    differ when each is read row-major)."""
+    _, flat = _tile_order_run(None, mesh, monkeypatch, tiled=False, grad_codec=None)
+    _, tiled = _tile_order_run(None, mesh, monkeypatch, tiled=True, grad_codec=None)
+    assert same_bits(flat, tiled) and identical(tiled)
+    v = jnp.arange(8 * N * 256, dtype=jnp.float32)
+    rows = bucket.unravel_leaf(v, (8 * N, 256))
+    assert not np.array_equal(np.asarray(rows), np.asarray(v.reshape(8 * N, 256)))
+    np.testing.assert_array_equal(np.asarray(bucket.ravel_leaf(rows)), np.asarray(v))
 
 
 # ------------------------------------------------------------------ bytes on the wire
@@ -283,11 +298,13 @@ def test_two_level_bytes_and_training(task):
 # gradient error feedback).
 
 
-def test_apply_if_finite_after_zero_skips_the_step(task, mesh):
+@pytest.mark.parametrize("codecs", ["q4", "exact"])
+def test_apply_if_finite_after_zero_skips_the_step(task, mesh, codecs):
     """``optax.apply_if_finite`` chained after zero tests the shared update: every replica
-    skips the NaN step, the parameters do not move, training goes on."""
-    tx = optax.chain(zero(grad_codec=q(4), weight_codec=q(4, False)),
-                     optax.apply_if_finite(optax.identity(), 3))
+    skips the NaN step, the parameters do not move, training goes on. Exact ZeRO poisons
+    each shard before the weights' all-gather: every update still NaN on every replica."""
+    inner = zero(grad_codec=q(4), weight_codec=q(4, False)) if codecs == "q4" else zero()
+    tx = optax.chain(inner, optax.apply_if_finite(optax.identity(), 3))
     fn, params, state, x, y = stepper(tx, task, mesh)
     params, state, _ = fn(params, state, x, y)
     skipped, state, u = fn(params, state, x.at[5, 1, 2].set(jnp.inf), y)
@@ -295,6 +312,10 @@ def test_apply_if_finite_after_zero_skips_the_step(task, mesh):
     assert all(np.all(np.asarray(l) == 0) for l in jax.tree_util.tree_leaves(u))
     after, _, _ = fn(skipped, state, x, y)
     assert identical(after) and not same_bits(after, skipped)
+    if codecs == "exact":  # zero's own update of the NaN step: NaN in every element
+        fn, params, state, x, y = stepper(inner, task, mesh)
+        _, _, u = fn(params, state, x.at[5, 1, 2].set(jnp.inf), y)
+        assert all(np.all(np.isnan(np.asarray(l))) for l in jax.tree_util.tree_leaves(u))
 
 
 # --------------------------------------------------------------------------- errors
