@@ -210,13 +210,13 @@ def _padded(x: jax.Array, total: int) -> jax.Array:
 
 
 def _all_finite(leaves: list) -> jax.Array:
-    """Whether every element is finite, mostly from one sum: a finite sum proves it, and
-    only a non-finite sum (NaN, Inf or overflow) pays for the elementwise test."""
+    """Whether every element is finite: one sum per leaf that cannot overflow
+    (``guards.all_finite``), no conditional. A conditional's elementwise test behind an
+    overflowing sum took the leaves as its operands, and XLA wrote a second copy of a
+    gradient for it (v5e, GPT-2 small's embedding in exact ZeRO: 155 MB a step)."""
     if not leaves:
         return jnp.asarray(True)
-    total = sum(jnp.sum(l, dtype=jnp.float32) for l in leaves)
-    return lax.cond(jnp.isfinite(total), lambda ls: jnp.isfinite(total),
-                    lambda ls: jnp.all(jnp.stack([jnp.all(jnp.isfinite(l)) for l in ls])), leaves)
+    return jnp.all(jnp.stack([guards.all_finite(l) for l in leaves]))
 
 
 # ------------------------------------------------------------------------ checks
