@@ -563,16 +563,16 @@ def test_powersgd_reads_the_leaves_where_they_lie_on_tpu():
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
 def test_powersgd_on_h100_never_writes_the_sum_of_gradient_and_residual():
     """On GPU, with the default check_finite, PowerSGD takes ``M Q`` and ``M^T P`` of
-    ``g`` and ``e`` apart: ``g + e`` is never written. H100, the MLP's step: 768 MB, 1.24x
-    the ``lax.pmean`` step, with 1.7 MB of scratch (849 MB, 1.37x, and 85 MB with the sum
-    written out)."""
+    ``g`` and ``e`` apart: ``g + e`` is never written. H100, the MLP's step: 768 MB, 1.58x
+    the ``lax.pmean`` step (487 MB, its copies of the gradient inputs left out), with 1.7
+    MB of scratch (849 MB, 1.74x, and 85 MB with the sum written out)."""
     mesh = aot.target_mesh("h100x8")
     params = {**_MLP, "b1": jax.ShapeDtypeStruct((4096,), jnp.float32)}  # benchmarks/aot.py's mlp21m
     rep = {name: aot.analyze(aot.compile_update(optax.chain(tx, optax.sgd(0.1)), params, mesh), "h100x8")
            for name, tx in (("pmean", bench.plain_mean()),
                             ("powersgd", cj.compressed_mean(cj.powersgd(4), "data")))}
     grad_bytes = 4 * (4096 * 4096 + 4096 * 1024)
-    assert rep["powersgd"]["traffic"] <= 1.3 * rep["pmean"]["traffic"], rep
+    assert rep["powersgd"]["traffic"] <= 1.65 * rep["pmean"]["traffic"], rep
     assert rep["powersgd"]["temp"] <= 0.1 * grad_bytes, rep
 
 
