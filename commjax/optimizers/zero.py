@@ -23,11 +23,11 @@ Layout: each floating leaf of ``n`` elements is flattened and padded with zeros 
 replica ``r`` owns elements ``[r s, (r + 1) s)``. Leaves smaller than
 ``max(min_compress_size, N * A)`` (biases, norms, scalars) are padded to a multiple of
 ``N`` only and travel exactly (fp32), joined in one collective per direction. On TPU a
-compressed leaf whose shards are whole groups of 8 rows of its ``(8, 128)`` tiles
-(``_tile_sharded``) travels in the tiles' order both ways (its gradient unless gradient
-residuals are kept): the leaf is then a bitcast of the vector a collective sends or
-receives, where the row-major vector is a relayout of the whole leaf. The master shards
-stay row-major on every backend.
+leaf, compressed or exact, whose shards are whole groups of 8 rows of its ``(8, 128)``
+tiles (``_tile_sharded``) travels in the tiles' order both ways (a compressed gradient
+unless gradient residuals are kept): the leaf is then a bitcast of the vector a
+collective sends or receives, where the row-major vector is a relayout of the whole leaf.
+The master shards stay row-major on every backend.
 
 Bytes per step and device (ring convention, ``P_c(k)`` codec ``c``'s payload bytes for ``k``
 elements, ``S_c`` the compressed leaves' shard sizes, ``S_e`` the exact ones')::
