@@ -24,6 +24,7 @@ __all__ = [
     "check_unreduced",
     "all_finite",
     "all_finite_elementwise",
+    "tree_all_finite",
     "keep_if",
     "l2_norm",
     "l2_norm_near",
@@ -110,6 +111,17 @@ def all_finite_elementwise(x: jax.Array) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.ones((), bool)
     return jnp.all(jnp.isfinite(x))
+
+
+def tree_all_finite(tree: Any, test=all_finite) -> jax.Array:
+    """Whether every leaf of ``tree`` (a pytree or a list of arrays) passes ``test``: one
+    reduction per leaf (``all_finite`` for arrays in memory, ``all_finite_elementwise``
+    for values fused into their consumers), their results and-ed; ``True`` for no leaves.
+    A scalar ``bool``, local to this replica."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves:
+        return jnp.ones((), bool)
+    return jnp.all(jnp.stack([test(l) for l in leaves]))
 
 
 def l2_norm(arrays: Sequence[jax.Array]) -> jax.Array:

@@ -149,7 +149,7 @@ def _any_bad(cfg: _Config, leaves: list) -> jax.Array:
     replica and not on its neighbours would part them for good."""
     if not cfg.check_finite or not leaves:
         return jnp.zeros((), bool)
-    ok = jnp.all(jnp.stack([guards.all_finite(l) for l in leaves]))
+    ok = guards.tree_all_finite(leaves)
     return _compat.psum(jnp.where(ok, 0.0, 1.0).reshape(1), cfg.axis_name)[0] != 0
 
 

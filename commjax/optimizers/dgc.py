@@ -165,7 +165,7 @@ def _local_gradients(cfg: _Config, leaves, treedef, plan, params, n_rep):
             raise ValueError("dgc: weight_decay needs the parameters: call update(grads, state, params).")
         p_leaves = treedef.flatten_up_to(params)
         g = {i: g[i] + cfg.weight_decay * p_leaves[i].astype(jnp.float32) for i in floats}
-    local_ok = jnp.all(jnp.stack([guards.all_finite(g[i]) for i in floats])) if floats else jnp.array(True)
+    local_ok = guards.tree_all_finite([g[i] for i in floats])
     if cfg.clip_norm is not None and floats:
         # Threshold scaled by N^{-1/2}: the sum of N independent local gradients then has
         # about the norm of one clipped global gradient.

@@ -116,13 +116,6 @@ def _vary_marked(tree: Any, axis_name: Any) -> Any:
     return jax.tree_util.tree_map(lambda x, m: _compat.vary(x, axis_name) if m else x, tree, mask)
 
 
-def _all_finite(tree: Any, test=guards.all_finite) -> jax.Array:
-    """Whether every leaf passes ``test`` (``guards.all_finite`` for arrays in memory,
-    ``guards.all_finite_elementwise`` for values fused into their consumers)."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.all(jnp.stack([test(l) for l in leaves])) if leaves else jnp.asarray(True)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     inner: optax.GradientTransformation
@@ -180,7 +173,7 @@ def _inner_step(cfg: _Config, updates, state: DiLoCoState, params):
     is NaN on every leaf of this replica and keeps its inner state."""
     inner_state = jax.tree_util.tree_map(lambda x: x[0], state.inner_state)
     u_in, new_inner = cfg.inner.update(updates, inner_state, params)
-    ok = _all_finite(u_in, guards.all_finite_elementwise)
+    ok = guards.tree_all_finite(u_in, guards.all_finite_elementwise)
     new_inner = guards.keep_if(jnp.logical_not(ok), inner_state, new_inner)
     u_in = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), u_in)
     return u_in, new_inner, optax.apply_updates(params, u_in)
@@ -203,7 +196,7 @@ def _sync(cfg: _Config, params, local, ops):
     deltas = jax.tree_util.tree_map(lambda a, q: a.astype(jnp.float32) - q.astype(jnp.float32),
                                     anchor, local)
     mean, new_exchange = _pseudo_mean(cfg, deltas, exchange)
-    bad = jnp.logical_not(_all_finite(mean))
+    bad = jnp.logical_not(guards.tree_all_finite(mean))
     mean = jax.tree_util.tree_map(lambda m, a: m.astype(a.dtype), mean, anchor)
     u_out, new_outer = cfg.outer.update(mean, outer_state, anchor)
     # One materialised value of the new anchor for the state and for the landing step:

@@ -258,9 +258,7 @@ def _ratio(cfg: _Config, mu_hat: jax.Array, nu_hat: jax.Array, *, guarded: bool)
 
 
 def _any_nonfinite(leaves: list) -> jax.Array:
-    if not leaves:
-        return jnp.zeros((), bool)
-    return jnp.logical_not(jnp.all(jnp.stack([guards.all_finite(l) for l in leaves])))
+    return jnp.logical_not(guards.tree_all_finite(leaves))
 
 
 def _stage(cfg: _Config, count: jax.Array, warm_fn, comp_fn, operands):

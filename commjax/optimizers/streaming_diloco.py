@@ -52,7 +52,7 @@ from commjax.accounting import CommunicationPlan, with_plan
 from commjax.compressors.base import Compressor
 from commjax.layout import per_replica
 from commjax.optimizers.diloco import (
-    _Config as _DiLoCoConfig, _all_finite, _check_vary, _group, _inner_step, _pseudo_mean,
+    _Config as _DiLoCoConfig, _check_vary, _group, _inner_step, _pseudo_mean,
     _vary_marked, group_transfers, inner_exchange, landing_update,
 )
 from commjax.plan import (
@@ -274,7 +274,7 @@ def _send(cfg: _Config, f: int, idx, local, anchor, exchange):
     mean, new_ex = _pseudo_mean(cfg.fragment(f), deltas, exchange[f] if exchange else ())
     mean = [m.astype(jnp.float32) for m in mean]
     if exchange:
-        bad = jnp.logical_not(_all_finite(mean))
+        bad = jnp.logical_not(guards.tree_all_finite(mean))
         new_ex = _vary_marked(guards.keep_if(bad, exchange[f], new_ex), cfg.axis_name)
         exchange = exchange[:f] + (new_ex,) + exchange[f + 1:]
     return mean, exchange
@@ -284,7 +284,7 @@ def _merge(cfg: _Config, f: int, idx, mean, params, local, anchor, outer_state):
     """The outer step of fragment ``f`` on its mean; its pieces land on the mix of the
     replica's own and the new shared parameters. Returns (landing updates of ``f``'s
     pieces, new anchor pieces, outer states, bad)."""
-    bad = jnp.logical_not(_all_finite(mean))
+    bad = jnp.logical_not(guards.tree_all_finite(mean))
     old = [_cut(anchor[q.leaf], q) for q in idx]
     mean = [m.astype(a.dtype) for m, a in zip(mean, old)]
     u_out, new_outer = cfg.outer.update(mean, outer_state[f], old)
