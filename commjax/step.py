@@ -248,8 +248,10 @@ class DataParallel:
     def _param_specs(self, params: Any) -> Any:
         if self._nnx is not None:
             return layout.state_specs(params, self.axis_name)
-        spec = P(self.axis_name) if self.per_replica_params else P()
-        return jax.tree_util.tree_map(lambda _: spec, params)
+        if not self.per_replica_params:
+            return jax.tree_util.tree_map(lambda _: P(), params)
+        # An empty leaf is placed replicated, as jit returns it (layout.place).
+        return jax.tree_util.tree_map(lambda p: P() if np.size(p) == 0 else P(self.axis_name), params)
 
     def _place_replicated(self, leaf: Any) -> Any:
         if isinstance(leaf, jax.Array) and _is_placed(leaf):
@@ -286,7 +288,9 @@ class DataParallel:
         updates, opt_state = self._update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         if self.per_replica_params:
-            params = jax.tree_util.tree_map(lambda a: a[None], params)
+            # An empty leaf holds no value and goes out replicated (``_param_specs``).
+            params = jax.tree_util.tree_map(
+                lambda a: jnp.zeros((1,) + a.shape, a.dtype) if a.size == 0 else a[None], params)
         return params, opt_state, loss, aux
 
     def _nnx_body(self, state: TrainState, batch, key):

@@ -101,3 +101,35 @@ def test_errors_name_the_fix():
         cj.choco(0.1, "data", codec=None)
     with pytest.raises(ValueError, match="error_feedback"):
         cj.compressed_mean(cj.sign(), "data", error_feedback="ef22")
+
+
+def _choco_run(mesh, params, steps=3):
+    """``cj.data_parallel`` with CHOCO (int8, per-replica parameters) on ``params``; the
+    loss pulls every float leaf towards the batch mean. Returns the final parameters."""
+    tx = cj.choco(optax.sgd(0.1), "data", codec=cj.quantize(bits=8), gamma=0.5)
+
+    def loss(p, batch):
+        return sum(jnp.sum(jnp.square(v - jnp.mean(batch))) for v in jax.tree_util.tree_leaves(p))
+
+    dp = cj.data_parallel(loss, tx, mesh, per_replica_params=True)
+    state = dp.init(params)
+    batch = jnp.arange(N * 4, dtype=jnp.float32).reshape(N, 4) / 10
+    for _ in range(steps):
+        state, _ = dp.step(state, batch)
+    return state.params
+
+
+def test_scalar_and_empty_parameters_are_gossiped_like_the_others(mesh):
+    """A scalar parameter takes the same path as the same value held as shape ``[1]``
+    (its public copy is stored as ``[1]``, a per-replica leaf needing a leading axis),
+    bit for bit; an empty leaf goes through with its shape. Both were refused (the
+    scalar's public copy by the per-replica layout, the empty leaf by ``shard_map``)."""
+    w = jnp.linspace(-1.0, 1.0, 16)
+    scalar = _choco_run(mesh, {"c": jnp.asarray(0.5), "w": w, "z": jnp.zeros((4, 0))})
+    vector = _choco_run(mesh, {"c": jnp.asarray([0.5]), "w": w, "z": jnp.zeros((4, 0))})
+    assert scalar["c"].shape == (N,) and scalar["z"].shape[1:] == (4, 0)
+    np.testing.assert_array_equal(np.asarray(scalar["c"]), np.asarray(vector["c"])[:, 0])
+    np.testing.assert_array_equal(np.asarray(scalar["w"]), np.asarray(vector["w"]))
+    # The replicas saw different batches: their scalars moved, and apart.
+    c = np.asarray(scalar["c"])
+    assert np.all(np.isfinite(c)) and np.all(c != 0.5) and len(set(c.tolist())) > 1

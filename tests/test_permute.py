@@ -80,6 +80,20 @@ def test_codec_forward_backward_and_hlo_bytes(mesh):
         permute_bytes(local, N, q8) + permute_bytes(local, N, q4) - 8.0)  # ints go forward only
 
 
+def test_powersgd_sends_empty_and_small_leaves_exactly(mesh):
+    """PowerSGD factors only the matrices it shrinks: an empty leaf (no rank to take)
+    and a vector travel exactly beside a factored matrix, which was refused for the
+    empty one (a rank-0 factor)."""
+    x = {"m": jax.random.normal(jax.random.PRNGKey(1), (N * 32, 32)), "e": jnp.zeros((N, 0)),
+         "v": jnp.arange(N * 5, dtype=jnp.float32)}
+    y = run(lambda t: cc.ppermute(t, "data", RING, cj.powersgd(rank=2)), mesh, x)
+    assert y["e"].shape == (N, 0)
+    np.testing.assert_array_equal(np.asarray(y["v"]).reshape(N, 5), shifted(np.asarray(x["v"]).reshape(N, 5), RING))
+    assert not cj.powersgd(rank=2).accepts((4, 0)) and not cj.powersgd(rank=2).accepts((0, 0))
+    got, sent = np.asarray(y["m"]).reshape(N, 32, 32), shifted(np.asarray(x["m"]).reshape(N, 32, 32), RING)
+    assert np.all(np.isfinite(got)) and not np.array_equal(got, sent)  # factored: rank 2, not exact
+
+
 def test_lazy_error_propagation_keeps_what_was_not_sent(mesh):
     """PowerSGD backward with a carried residual: what the source receives plus the
     residual left at the sender is the cotangent plus the residual it started from."""

@@ -406,8 +406,9 @@ class PowerSGD(Compressor):
         return min(self.rank, m, n)
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
-        """Compress iff the leaf has >= 2 dims and ``m n >= min_compression_rate (m + n) r``."""
-        if len(shape) < 2:
+        """Compress iff the leaf has >= 2 dims, no zero-size dimension and ``m n >=
+        min_compression_rate (m + n) r``."""
+        if len(shape) < 2 or 0 in shape:
             return False
         m, n = self.matrix_shape(shape)
         r = min(self.rank, m, n)

@@ -58,8 +58,9 @@ class ChocoState(NamedTuple):
       count: int32 scalar, replicated: steps taken.
       key: uint32[2] raw PRNG key, replicated (stochastic codecs fold in the step and the
         replica).
-      public: per replica, like the parameters: the public copy ``x^_i``.
-      neighbours: per replica, like the parameters: ``s_i``, the weighted sum of the
+      public: per replica, like the parameters (a scalar's as ``[1]``): the public copy
+        ``x^_i``.
+      neighbours: per replica, like ``public``: ``s_i``, the weighted sum of the
         neighbourhood's public copies.
       inner_state: per replica: the inner optimizer's state, every leaf with a leading
         axis of length 1 (its step counters are scalars).
@@ -162,7 +163,8 @@ def _update(cfg: _Config, grads, state: ChocoState, params):
     inner_u, new_inner = cfg.inner.update(grads, inner, params)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     u_leaves = treedef.flatten_up_to(inner_u)
-    pub, nb = treedef.flatten_up_to(state.public), treedef.flatten_up_to(state.neighbours)
+    pub = [_held(c, p) for c, p in zip(treedef.flatten_up_to(state.public), p_leaves)]
+    nb = [_held(c, p) for c, p in zip(treedef.flatten_up_to(state.neighbours), p_leaves)]
     idx = [i for i, p in enumerate(p_leaves) if _floating(p)]
     half = [p_leaves[i].astype(jnp.float32) + u_leaves[i].astype(jnp.float32) for i in idx]
     step_key = jax.random.fold_in(state.key, state.count)
@@ -186,14 +188,26 @@ def _update(cfg: _Config, grads, state: ChocoState, params):
     metrics = {name: jnp.where(bad, state.metrics[name], jnp.sqrt(sum(g, jnp.zeros((), jnp.float32))))
                for name, g in zip(("public_gap", "neighbour_gap"), gaps)}
     return unflat(out), ChocoState(
-        state.count + 1, state.key, unflat(new_pub), unflat(new_nb),
+        state.count + 1, state.key, unflat([_stored(c) for c in new_pub]), unflat([_stored(c) for c in new_nb]),
         jax.tree_util.tree_map(lambda a: a[None], new_inner), _compat.vary(metrics, cfg.axis_name))
+
+
+def _stored(copy: jax.Array) -> jax.Array:
+    """A copy as the state holds it: a scalar parameter's as ``[1]`` (a per-replica leaf
+    is laid out along its leading axis, which a scalar lacks)."""
+    copy = jnp.asarray(copy)
+    return copy.reshape(1) if copy.ndim == 0 else copy
+
+
+def _held(copy: jax.Array, param: Any) -> jax.Array:
+    """The inverse of ``_stored``: the copy in its parameter's shape."""
+    return copy.reshape(jnp.shape(param))
 
 
 def _init(cfg: _Config, params) -> ChocoState:
     """Public copies and neighbourhood sums start at the (common) initial parameters:
     every replica then knows its neighbours' ``x^_j = x_0`` exactly without a send."""
-    copy = jax.tree_util.tree_map(lambda p: jnp.asarray(p, jnp.float32) if _floating(p) else p, params)
+    copy = jax.tree_util.tree_map(lambda p: _stored(jnp.asarray(p, jnp.float32) if _floating(p) else p), params)
     inner = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], cfg.inner.init(params))
     return ChocoState(jnp.zeros((), jnp.int32), jax.random.PRNGKey(cfg.seed), copy, copy, inner,
                       {name: jnp.zeros((1,), jnp.float32) for name in ("public_gap", "neighbour_gap")})
