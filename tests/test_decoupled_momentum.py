@@ -329,3 +329,28 @@ def test_one_replica_is_signum_of_the_transmitted_momentum():
     u, s = jax.jit(tx.update)(g, tx.init(g))
     np.testing.assert_array_equal(np.asarray(u["w"]), -0.1 * np.sign(np.asarray(g["w"])))
     np.testing.assert_allclose(np.asarray(s.momentum), 0.0, atol=1e-6)
+
+
+def test_an_empty_leaf_changes_nothing_and_gets_an_empty_update(mesh):
+    """An empty float leaf beside a matrix: the matrix's trajectory is the one without
+    it, bit for bit, and the empty leaf's update is empty and replicated (its chunk
+    layout divided by its zero-size last axis, and its ``zeros_like`` update varied over
+    the replicas where replicated parameters need it replicated)."""
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(16, 12)), jnp.float32)
+    tx = cj.decoupled_momentum(0.1, chunk_size=C, top_k=K, values_dtype=jnp.float32)
+
+    def loss(p, batch):
+        return jnp.sum(jnp.square(p["w"] - jnp.mean(batch))) + sum(jnp.sum(v) for k, v in p.items() if k != "w")
+
+    def run(params):
+        dp = cj.data_parallel(loss, tx, mesh)
+        state = dp.init(params)
+        for _ in range(3):
+            state, _ = dp.step(state, jnp.arange(N * 2, dtype=jnp.float32).reshape(N, 2))
+        return state.params
+
+    with_empty = run({"w": w, "z": jnp.zeros((4, 0)), "e": jnp.zeros((0,))})
+    alone = run({"w": w})
+    assert with_empty["z"].shape == (4, 0) and with_empty["e"].shape == (0,)
+    np.testing.assert_array_equal(np.asarray(with_empty["w"]), np.asarray(alone["w"]))
+    assert not np.array_equal(np.asarray(alone["w"]), np.asarray(w))

@@ -159,13 +159,14 @@ def _check_fits(cfg: _Config, shape: tuple, elems: int, where: str) -> None:
 
 
 def _layout(leaves: Sequence[Any], cfg: _Config, where: str) -> tuple[_Leaf, ...]:
-    """The static layout of the floating leaves; refuses a chunk smaller than ``top_k``."""
+    """The static layout of the floating leaves that hold a value (an empty leaf's update
+    is empty, like a non-floating leaf's zeros); refuses a chunk smaller than ``top_k``."""
     out, offset, first = [], 0, {True: 0, False: 0}
     c = cfg.chunk_size
     for i, leaf in enumerate(leaves):
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            continue
         shape = tuple(jnp.shape(leaf))
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating) or math.prod(shape) == 0:
+            continue
         tiled = len(shape) >= 2
         _check_fits(cfg, shape, c * c if tiled else c, where)
         it = _leaf_layout(i, shape, c, offset, first[tiled])
@@ -351,10 +352,15 @@ def _validate(cfg: _Config, leaves, state: DecoupledMomentumState, params: Any):
     return layout, n_rep
 
 
+def _zeros(leaf: Any) -> jax.Array:
+    return jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf))
+
+
 def _steps(cfg: _Config, leaves, treedef, layout, q, params, lr, bad):
     """``-lr (sign(q) + wd * params)`` in the leaves' shapes and dtypes (NaN where
-    ``bad``); zeros for non-floating leaves."""
-    out = [jnp.zeros_like(l) for l in leaves]
+    ``bad``); zeros for the leaves outside ``layout`` (fresh constants: replicated, where
+    ``zeros_like`` of a gradient would vary over the replicas)."""
+    out = [_zeros(l) for l in leaves]
     p_leaves = treedef.flatten_up_to(params) if cfg.weight_decay else None
     for it in layout:
         step = jnp.sign(q[it.offset]).reshape(it.shape)
@@ -368,7 +374,7 @@ def _update(cfg: _Config, updates: Any, state: DecoupledMomentumState, params: A
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     layout, n_rep = _validate(cfg, leaves, state, params)
     if not layout:
-        return jax.tree_util.tree_map(jnp.zeros_like, updates), state._replace(count=state.count + 1)
+        return jax.tree_util.tree_map(_zeros, updates), state._replace(count=state.count + 1)
     g = jnp.concatenate([jnp.ravel(leaves[it.index]).astype(jnp.float32) for it in layout])
     m = cfg.beta * state.momentum + g
     local_ok = guards.all_finite(m)
