@@ -1,6 +1,8 @@
 """commjax.collectives.tp_copy / tp_reduce (Megatron's f and g): a tensor-parallel MLP
 against its unsharded reference, compressed bytes per mesh axis, and the errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,26 @@ def test_compressed_bytes_on_the_model_axis(mesh2d):
         assert model == pytest.approx(plan)
         exact = model if codec is None else exact
         assert exact / model >= ratio
+
+
+@pytest.mark.parametrize("codec", [None, Q8], ids=["exact", "int8"])
+def test_tp_copy_of_an_input_typed_varying_gives_it_the_same_gradient(mesh2d, codec):
+    """``x`` the same on every model replica but typed varying over the axis (as an
+    activation received through a send is): the backward sum comes back typed as ``x``,
+    with the bits of the replicated input's gradient (the custom VJP refused a
+    replicated-typed cotangent for a varying input)."""
+    x, w1, w2 = _weights()
+
+    def local(v, a, b, vary):
+        v = cj.vary(v, "model") if vary else v
+        return jax.grad(lambda u: jnp.sum(jnp.sin(_mlp(u, a, b, codec))))(v)
+
+    specs = (P("data"), P(None, "model"), P("model", None))
+    grads = [jax.jit(_compat.shard_map(functools.partial(local, vary=vary), mesh=mesh2d, in_specs=specs,
+                                       out_specs=P("data", None) if not vary else P("data", "model")))(x, w1, w2)
+             for vary in (False, True)]
+    np.testing.assert_array_equal(np.asarray(grads[1])[:, :64], np.asarray(grads[0]))
+    np.testing.assert_array_equal(np.asarray(grads[1])[:, 64:], np.asarray(grads[0]))
 
 
 def test_tp_reduce_backward_is_identity_under_check_vma_false(mesh2d):

@@ -51,6 +51,7 @@ def tp_reducer(codec: Optional[Compressor]) -> str:
 class _TpConfig:
     axis_name: Any
     codec: Optional[Compressor]
+    varying: tuple = ()  # tp_copy: per leaf of x, whether it was typed varying over the axis
 
 
 def _sum(cfg: _TpConfig, tree, key):
@@ -72,7 +73,14 @@ def _copy_fwd(cfg, x, key):
 
 
 def _copy_bwd(cfg, key, ct):
-    return _sum(cfg, ct, None if key is None else jax.random.fold_in(key, 1)), None
+    total = _sum(cfg, ct, None if key is None else jax.random.fold_in(key, 1))
+    if not any(cfg.varying):
+        return total, None
+    # A cotangent has its primal's type: the sum, typed varying where x was (x then is
+    # the same on every replica without being typed so, e.g. received through a send).
+    leaves, treedef = jax.tree_util.tree_flatten(total)
+    leaves = [_compat.vary(l, cfg.axis_name) if v else l for l, v in zip(leaves, cfg.varying)]
+    return jax.tree_util.tree_unflatten(treedef, leaves), None
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
@@ -110,13 +118,17 @@ def tp_copy(x: Any, axis_name: Any, *, grad_codec: Optional[Compressor] = None,
     exact).
 
     Args:
-      x: pytree of arrays, replicated over ``axis_name``.
+      x: pytree of arrays, the same on every replica of ``axis_name`` (typed replicated
+        or varying: the cotangent comes back typed as ``x`` is).
       axis_name: the tensor-parallel mesh axis (bound by ``shard_map``).
       grad_codec: codec of the backward all-reduce; ``None``: exact (``lax.psum``).
       key: PRNG key, the same on every replica (stochastic codecs).
     """
     cfg = _config(axis_name, grad_codec, "grad_codec", "tp_copy")
-    return _copy(cfg, x, key)
+    names = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    varying = tuple(bool(names & (_compat.varying_axes(l) or frozenset()))
+                    for l in jax.tree_util.tree_leaves(x))
+    return _copy(dataclasses.replace(cfg, varying=varying), x, key)
 
 
 def tp_reduce(x: Any, axis_name: Any, *, codec: Optional[Compressor] = None,
