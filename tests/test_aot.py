@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat, aot, bench
+from commjax import collectives as cc
 from commjax import _hlo_traffic as hlo
 from commjax.accounting import parse_hlo_collectives
 from commjax.collectives._common import SHARD_PAD_MIN
@@ -435,6 +436,7 @@ def _every_transform() -> dict:
             "qsgd": cj.qsgd(), "terngrad": cj.terngrad(), "hadamard": cj.hadamard(q4),
             "lossless": cj.lossless(), "random_k": cj.random_k(0.01), "top_k": cj.top_k(0.01),
             "threshold": cj.threshold(1e-3, 4096), "fp8": cj.fp8(), "powersgd": cj.powersgd(4)}.items()},
+        "ef21": (optax.chain(cj.compressed_mean(cj.sign(), "data", error_feedback="ef21"), optax.sgd(0.1)), False),
     }
 
 
@@ -454,6 +456,50 @@ def test_every_communicating_transform_compiles_deviceless(target):
         except Exception as e:  # noqa: BLE001 - collected, reported together
             failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
     assert not failed, failed
+
+
+def _model_parallel_step(mesh):
+    """A 2-stage pipeline step on a ``stage x model`` mesh: a tensor-parallel layer
+    (``tp_copy`` / ``tp_reduce``, int8), the activations sent with Hadamard int4 and the
+    cotangents back with int8 and lazy error propagation, a second send in slot-delta
+    mode; the gradients of the weights and of the residual token."""
+    q8 = cj.quantize(8, stochastic=False)
+    h4 = cj.hadamard(cj.quantize(4, stochastic=False))
+    fwd = [(0, 1)]
+
+    def local(x, w, tok, ref):
+        def loss(w, tok):
+            h = cc.tp_reduce(jnp.tanh(cc.tp_copy(x, "model", grad_codec=q8) @ w), "model", codec=q8)
+            y, tok2 = cc.ppermute(h, "stage", fwd, h4, grad_codec=q8, grad_residual=tok)
+            z, new_ref = cc.ppermute(y, "stage", fwd, cj.quantize(2, midrise=True, stochastic=False),
+                                     delta="slot", state=ref, delta_rate=0.1)
+            return jnp.sum(z * z) + jnp.sum(tok2) * 0, new_ref
+        (_, new_ref), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, tok)
+        return grads, new_ref
+
+    x = jax.ShapeDtypeStruct((2 * 128, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((256, 2 * 256), jnp.float32)
+    tok = jax.ShapeDtypeStruct((2 * 128, 256), jnp.float32)
+    ref = jax.eval_shape(lambda: cc.delta_state(jnp.zeros((128, 256)), "slot"))
+    specs = (P("stage"), P(None, "model"), P("stage"), P())
+    fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=specs,
+                                   out_specs=((P(None, "model"), P("stage")), P()), check_vma=False))
+    with aot.traced_for(mesh):
+        return fn.lower(*[aot.abstract(a, mesh, sp) for a, sp in zip((x, w, tok, ref), specs)]).compile()
+
+
+@pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
+@pytest.mark.parametrize("target", ["v5e:2x4", "h100x8"])
+def test_model_parallel_collectives_compile_deviceless(target):
+    """``cc.ppermute`` (codec, grad_codec, lazy residual, slot deltas) and ``cc.tp_copy`` /
+    ``cc.tp_reduce`` compile for a TPU v5e and an H100 on a ``stage x model`` mesh, and
+    the program holds both kinds of collective: the sends and the model axis' exchanges."""
+    devices = aot.target_mesh(target).devices.reshape(-1)[:4].reshape(2, 2)
+    mesh = jax.sharding.Mesh(devices, ("stage", "model"))
+    text = _model_parallel_step(mesh).as_text()
+    assert "collective-permute" in text
+    assert "all-to-all" in text or "reduce-scatter" in text or "all-reduce" in text
+    assert "all-gather" in text
 
 
 @pytest.mark.skipif(not _EXTRAS, reason="the aot extra (jax[tpu], jax[cuda12]) is not installed")
