@@ -185,6 +185,14 @@ def all_to_all(x: jax.Array, axis_name: Any) -> jax.Array:
     return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
+def replicated_over_one(tree: Any, axis_name: Any) -> Any:
+    """``tree`` typed replicated over ``axis_name``, an axis of one replica: its ``psum``,
+    the value itself (an all-reduce of one participant, which XLA removes). For the paths
+    that skip the exchange on one replica, whose results ``shard_map(check_vma=True)``
+    would otherwise type as varying."""
+    return psum(tree, axis_name)
+
+
 def psum(x: Any, axis_name: Any) -> Any:
     """``lax.psum`` of values that are first made varying, so every replica adds its own."""
     return lax.psum(vary(x, axis_name), axis_name)

@@ -110,6 +110,14 @@ def _placed_spec(leaf: Any) -> Optional[P]:
     return sharding.spec if isinstance(sharding, NamedSharding) else None
 
 
+def _single(leaf: Any, axis_name: Any) -> bool:
+    """Whether ``leaf`` is placed on a mesh whose ``axis_name`` has one device: ``jit``
+    hands a ``P(axis)`` output back as ``P()`` there, so its placement tells nothing."""
+    mesh = leaf.sharding.mesh
+    names = _axis_names(axis_name) if axis_name is not None else frozenset(mesh.axis_names)
+    return all(mesh.shape.get(a, 1) == 1 for a in names)
+
+
 def _first_axis(spec: P) -> Any:
     return spec[0] if len(spec) else None
 
@@ -138,7 +146,7 @@ def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
 
     def one(leaf: Any, marked: bool) -> bool:
         spec = _placed_spec(leaf) if read else None
-        if spec is None:
+        if spec is None or _single(leaf, axis_name):
             return marked
         first = _first_axis(spec)
         if first is None:

@@ -419,7 +419,7 @@ def _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact: _Exact) -> _
         apart = residuals is not None and cfg.check_finite and cfg.on_nonfinite == "keep"
         means, locals_, cs, finite = exchange.run(
             cfg.compressor, parts if apart else xs, segs, state.compressor_state,
-            axis_name=cfg.axis_name if n_rep > 1 else None, num_replicas=n_rep,
+            axis_name=cfg.axis_name, num_replicas=n_rep,  # one replica: psums of one, typed replicated
             shared_key=keys[0], init_key=keys[2], count=state.count, residuals=residuals if apart else None)
         new_res = [] if residuals is None else [x - l for x, l in zip(xs, locals_)]
         return _Compressed(means, new_res, state.server_residual, cs, comp_metrics, finite)

@@ -528,3 +528,30 @@ def test_pmap_state_for_another_device_count_is_refused_by_pmap():
     grads = jax.tree_util.tree_map(lambda a: jnp.stack([a] * N), _params())
     with pytest.raises(Exception, match="axis 0 is partitioned 8 times, but the dimension size is 4"):
         jax.pmap(lambda g, s: tx.update(g, s)[1], axis_name=AX)(grads, state)
+
+
+PER_REPLICA_PARAMS = ("diloco", "streaming_diloco", "choco")
+
+
+@pytest.fixture(scope="module")
+def one_device_mesh():
+    return _compat.make_mesh((1,), (AX,))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_transform_trains_on_a_one_device_mesh(one_device_mesh, name):
+    """A mesh of one device (a user's first run on one accelerator), ``check_vma=True``:
+    the step compiles and trains. ``jit`` hands a one-device ``P(axis)`` output back as
+    ``P()``, so the layout answers from the declared fields there; the paths that skip the
+    exchange on one replica type their results replicated (they stayed varying, and
+    ``shard_map`` or ``data_parallel`` refused the replicated parameters)."""
+    tx = CASES[name]()
+    dp = cj.data_parallel(lambda p, b: sum(jnp.sum(jnp.square(v - jnp.mean(b))) for v in jax.tree_util.tree_leaves(p)),
+                          tx, one_device_mesh, per_replica_params=name.startswith(PER_REPLICA_PARAMS))
+    state = dp.init(_params())
+    for _ in range(3):
+        state, loss = dp.step(state, jnp.ones((1, 4)))
+    before = jax.tree_util.tree_leaves(_params())
+    after = jax.tree_util.tree_leaves(state.params)
+    assert _finite_floats(state.params) and np.all(np.isfinite(np.asarray(loss)))
+    assert any(not np.array_equal(np.asarray(a).reshape(np.shape(b)), np.asarray(b)) for a, b in zip(after, before))

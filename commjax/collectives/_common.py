@@ -84,6 +84,8 @@ def gather_rows(words: jax.Array, axis_name: Any, num_replicas: int) -> tuple[ja
     bucket: 140 MB against the plan's 70 MB). Each row is a slice of the gathered vector,
     not a row of an ``[N, W]`` view, which a TPU copies into (8, 128) tiles."""
     w = words.shape[0]
+    if w == 0:  # nothing to send (an empty leaf's payload); XLA refuses an empty gather
+        return tuple(jnp.zeros((0,), words.dtype) for _ in range(num_replicas))
     wp = row_width(w)
     row = jnp.pad(words, (0, wp - w)) if wp > w else words
     flat = _compat.all_gather_invariant(row, axis_name, tiled=True)

@@ -630,7 +630,10 @@ def reduce_parts(codec: Compressor, reducer: Optional[Reducer], parts: Sequence[
     if codec.shared_randomness:
         key = shared_key
     if reducer is None or axis_name is None or num_replicas <= 1:
-        return _one_replica(codec, parts, segments, key, residuals, server_residual)
+        res = _one_replica(codec, parts, segments, key, residuals, server_residual)
+        if axis_name is None:
+            return res
+        return res._replace(means=_compat.replicated_over_one(res.means, axis_name))
     return reducer.reduce(codec, parts, segments, axis_name=axis_name, num_replicas=num_replicas,
                           key=key, residuals=residuals, server_residual=server_residual,
                           server_error_feedback=server_error_feedback, keep=keep)

@@ -52,7 +52,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from commjax import guards, validation
+from commjax import _compat, guards, validation
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._common import gather_words, gathered_bytes
 from commjax.layout import per_replica
@@ -330,8 +330,10 @@ def _decode(cfg: _Config, got: jax.Array, groups, n_rep: int):
 def _exchange(cfg: _Config, words: jax.Array, n_rep: int) -> jax.Array:
     """Every replica's words ``[N, W]`` in replica order (one all-gather of uint32, the row
     padded to whole lane tiles: ``gather_words``)."""
-    if cfg.axis_name is None or n_rep == 1:
+    if cfg.axis_name is None:
         return words[None]
+    if n_rep == 1:
+        return _compat.replicated_over_one(words[None], cfg.axis_name)
     return gather_words(words, cfg.axis_name, n_rep, tiled=False)
 
 

@@ -196,7 +196,7 @@ def _sparse_exchange(cfg: _Config, v, plan, state: DGCState, n_rep: int):
 
     def branch(codec: TopK):
         def reduce(ps):
-            res = reduce_parts(codec, red, ps, segs, axis_name=cfg.axis_name if n_rep > 1 else None,
+            res = reduce_parts(codec, red, ps, segs, axis_name=cfg.axis_name,
                                num_replicas=n_rep, key=None)
             return flat_bucket.concat(res.means), flat_bucket.concat(res.residuals)
         return reduce

@@ -134,7 +134,7 @@ def _group_mean(updates: Any, inner_axis_name: Any, where: str) -> Any:
         return updates
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     n = guards.check_bound(inner_axis_name, where)
-    means, _ = exact_mean(leaves, inner_axis_name if n > 1 else None, n)
+    means, _ = exact_mean(leaves, inner_axis_name, n)  # one replica: typed replicated
     out = [m.reshape(jnp.shape(l)).astype(jnp.result_type(l)) for m, l in zip(means, leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -185,7 +185,7 @@ def _pseudo_mean(cfg: _Config, deltas, exchange):
         return cfg.exchange_tx.update(deltas, exchange)
     leaves, treedef = jax.tree_util.tree_flatten(deltas)
     n_rep = guards.check_bound(cfg.axis_name, "diloco")
-    means, _ = exact_mean(leaves, cfg.axis_name if n_rep > 1 else None, n_rep)
+    means, _ = exact_mean(leaves, cfg.axis_name, n_rep)  # one replica: typed replicated
     out = [m.reshape(l.shape).astype(l.dtype) for m, l in zip(means, leaves)]
     return jax.tree_util.tree_unflatten(treedef, out), exchange
 

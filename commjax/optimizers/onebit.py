@@ -223,7 +223,8 @@ def _f32_zeros(params):
 
 def _exact_leaves(cfg: _Config, leaves: list, n_rep: int) -> list:
     """fp32 mean over the axis of every leaf, in one fused all-reduce."""
-    means, _ = exact_mean(leaves, cfg.axis_name if n_rep > 1 else None, n_rep)
+    # On one replica the all-reduce of one participant is the value, typed replicated.
+    means, _ = exact_mean(leaves, cfg.axis_name, n_rep)
     return [m.reshape(jnp.shape(l)) for m, l in zip(means, leaves)]
 
 
@@ -277,7 +278,7 @@ def _replica_mean(cfg: _Config, scalars: list, n_rep: int) -> list:
     if not scalars:
         return scalars
     return [m.reshape(()) for m in exact_mean([s.reshape(1) for s in scalars],
-                                               cfg.axis_name if n_rep > 1 else None, n_rep)[0]]
+                                               cfg.axis_name, n_rep)[0]]
 
 
 def _output(bad, steps: list, grads: list, treedef):
