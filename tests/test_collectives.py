@@ -303,3 +303,22 @@ def test_collectives_on_odd_replica_counts(name, n, shape, dtype):
     if bound is None:
         c = np.asarray(chunk, np.float32)
         assert np.max(np.abs(c - true[None])) <= float(jnp.finfo(dt).eps) * n * np.max(np.abs(true))
+
+
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("name", sorted(PROPERTY_CODECS))
+def test_empty_leaves_and_one_replica_under_check_vma(name, n):
+    """An empty leaf beside a real one, on 8 replicas and on a mesh of one device, under
+    ``check_vma=True``: ``all_reduce`` returns the empty leaf empty and the real one typed
+    replicated (``out_specs=P()``); an empty top-k payload sends nothing (XLA refused
+    the empty gather), and a one-replica sum skipped its exchange and stayed varying."""
+    codec, bound = PROPERTY_CODECS[name]
+    mesh = _compat.make_mesh((n,), ("r",), devices=jax.devices()[:n])
+    x = {"e": jnp.zeros((n, 0)), "w": jax.random.normal(jax.random.PRNGKey(n), (n * 4, 96))}
+    out = run(lambda t: cc.all_reduce(t, "r", codec, key=jax.random.PRNGKey(1), mean=True), mesh,
+              P("r"), P(), x)
+    assert out["e"].shape == (1, 0)
+    true = np.asarray(x["w"]).reshape(n, 4, 96).mean(0)
+    err = np.max(np.abs(np.asarray(out["w"], np.float32) - true)) / np.max(np.abs(true))
+    limit = 1e-2 if name == "lossless" else 1e-6 if bound is None else bound  # lossless: of bf16 values
+    assert err <= limit, err
