@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,6 +23,7 @@ __all__ = [
     "check_ratio",
     "check_dtype",
     "check_axis_pair",
+    "check_real_leaves",
     "normalize_axis",
 ]
 
@@ -129,3 +131,18 @@ def check_axis_pair(axis_name: Any, inner_axis_name: Optional[Any], *, factory: 
         raise ValueError(
             f"{factory}: `inner_axis_name` ({inner_axis_name!r}) must differ from `axis_name` "
             f"({axis_name!r}): the inner axis is averaged exactly, the outer one compressed.")
+
+
+def check_real_leaves(tree: Any, *, factory: str) -> None:
+    """Refuse complex leaves in ``tree`` (the parameters given to ``init``), naming the
+    first: the optimizers that keep fp32 moments, residuals or public copies of the
+    parameters would drop their imaginary parts (or, treating them as non-floating, leave
+    them untrained or unaveraged)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise ValueError(
+                f"{factory}: parameter {jax.tree_util.keystr(path)} is {jnp.dtype(dtype).name}; "
+                f"{factory} handles real leaves only (its state would drop the imaginary part). "
+                "Hold it as two real leaves (its real and imaginary parts), or average it "
+                "with cj.compressed_mean, which sends complex leaves exactly.")

@@ -555,3 +555,24 @@ def test_every_transform_trains_on_a_one_device_mesh(one_device_mesh, name):
     after = jax.tree_util.tree_leaves(state.params)
     assert _finite_floats(state.params) and np.all(np.isfinite(np.asarray(loss)))
     assert any(not np.array_equal(np.asarray(a).reshape(np.shape(b)), np.asarray(b)) for a, b in zip(after, before))
+
+
+REAL_ONLY = {
+    "zero": lambda: cj.zero(optax.adam(1e-3), AX), "onebit_adam": lambda: cj.onebit_adam(1e-3, warmup_steps=1),
+    "onebit_lamb": lambda: cj.onebit_lamb(1e-3, warmup_steps=1), "dgc": lambda: cj.dgc(0.05),
+    "decoupled_momentum": lambda: cj.decoupled_momentum(0.05),
+    "diloco": lambda: cj.diloco(optax.sgd(0.05), optax.sgd(0.7), sync_every=2),
+    "streaming_diloco": lambda: cj.streaming_diloco(optax.sgd(0.05), optax.sgd(0.7), sync_every=2, fragments=2),
+    "choco": lambda: cj.choco(optax.sgd(0.05), AX, codec=cj.sign()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_ONLY))
+def test_complex_parameters_are_refused_by_name_where_the_state_is_real(name):
+    """The optimizers whose state holds real fp32 copies of the parameters (moments,
+    residuals, anchors, public copies) refuse a complex leaf at init, naming it: DGC left
+    one untrained (zero updates, silently), DiLoCo and 1-bit Adam dropped its imaginary
+    part. ``compressed_mean`` averages complex leaves exactly (tested elsewhere)."""
+    params = {"w": jnp.ones((8, 8)), "z": jnp.ones((4,), jnp.complex64)}
+    with pytest.raises(ValueError, match=r"\['z'\] is complex64.*real and imaginary parts"):
+        REAL_ONLY[name]().init(params)

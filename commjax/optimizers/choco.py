@@ -207,6 +207,7 @@ def _held(copy: jax.Array, param: Any) -> jax.Array:
 def _init(cfg: _Config, params) -> ChocoState:
     """Public copies and neighbourhood sums start at the (common) initial parameters:
     every replica then knows its neighbours' ``x^_j = x_0`` exactly without a send."""
+    validation.check_real_leaves(params, factory="choco")
     copy = jax.tree_util.tree_map(lambda p: _stored(jnp.asarray(p, jnp.float32) if _floating(p) else p), params)
     inner = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], cfg.inner.init(params))
     return ChocoState(jnp.zeros((), jnp.int32), jax.random.PRNGKey(cfg.seed), copy, copy, inner,

@@ -393,6 +393,7 @@ def _update(cfg: _Config, updates: Any, state: DecoupledMomentumState, params: A
 
 
 def _init(cfg: _Config, params: Any) -> DecoupledMomentumState:
+    validation.check_real_leaves(params, factory="decoupled_momentum")
     layout = _layout(jax.tree_util.tree_leaves(params), cfg, "decoupled_momentum")
     n = sum(it.size for it in layout)
     return DecoupledMomentumState(count=jnp.zeros((), jnp.int32),

@@ -130,6 +130,7 @@ def _stage(cfg: _Config, count: jax.Array) -> jax.Array:
 
 
 def _init(cfg: _Config, params: Any) -> DGCState:
+    validation.check_real_leaves(params, factory="dgc")
     leaves = jax.tree_util.tree_leaves(params)
     plan = cfg.plan(leaves, 1)
     m = sum(_size(s) for s, r in zip(plan.shapes, plan.routes) if r == EXACT)

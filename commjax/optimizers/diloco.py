@@ -239,6 +239,7 @@ def _update(cfg: _Config, updates, state: DiLoCoState, params):
 
 
 def _init(cfg: _Config, params) -> DiLoCoState:
+    validation.check_real_leaves(params, factory="diloco")
     return DiLoCoState(
         count=jnp.zeros((), jnp.int32),
         anchor=jax.tree_util.tree_map(jnp.asarray, params),

@@ -318,6 +318,7 @@ def _adam_steps(cfg: _Config, state: OneBitAdamState, mean: list, mu: list, nu: 
 
 def _scale_by_onebit_adam(cfg: _Config) -> optax.GradientTransformation:
     def init_fn(params):
+        validation.check_real_leaves(params, factory="onebit_adam")
         return OneBitAdamState(count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params),
                                nu=_f32_zeros(params), exchange=_exchange_tx(cfg).init(params))
 
@@ -546,6 +547,7 @@ def _lamb_update(lc: _LambConfig, updates, state: OneBitLambState, params):
 
 def _scale_by_onebit_lamb(lc: _LambConfig) -> optax.GradientTransformation:
     def init_fn(params):
+        validation.check_real_leaves(params, factory="onebit_lamb")
         return OneBitLambState(
             count=jnp.zeros((), jnp.int32), mu=_f32_zeros(params), nu=_f32_zeros(params),
             nu_fresh=_f32_zeros(params),

@@ -397,6 +397,7 @@ def _layout_replicas(cfg: _Config) -> int:
 
 
 def _init(cfg: _Config, params) -> StreamingDiLoCoState:
+    validation.check_real_leaves(params, factory="streaming_diloco")
     leaves = jax.tree_util.tree_leaves(params)
     groups = [[_cut(jnp.asarray(leaves[q.leaf]), q) for q in idx]
               for idx in fragment_leaves(params, cfg.fragments, cfg.compressor, _layout_replicas(cfg))]

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from commjax import _compat, bucket, collectives as cc, guards
+from commjax import _compat, bucket, collectives as cc, guards, validation
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives._bytes import wire_bytes
 from commjax.collectives._common import check_codec
@@ -661,6 +661,7 @@ def zero(
     _check_axes(cfg)
 
     def init_fn(params):
+        validation.check_real_leaves(params, factory="zero")
         leaves, treedef = jax.tree_util.tree_flatten(params)
         n = _num_replicas_now(cfg)
         plan = _plan(leaves, n, cfg)
