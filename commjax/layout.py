@@ -151,8 +151,8 @@ def per_replica_mask(state: Any, axis_name: Any = None) -> Any:
         first = _first_axis(spec)
         if first is None:
             return False
-        if axis_name is None or first == axis_name or _axis_names(axis_name) <= _axis_names(first):
-            return True  # over the axis (with a model axis: tiled over both)
+        if axis_name is None or first == axis_name or _axis_names(first) & _axis_names(axis_name):
+            return True  # over the axis, or some of its axes (with a model axis: tiled over both)
         return marked  # sharded over another axis (a pmap device axis, say): not ours
 
     return _map_marked(one, state)
@@ -196,7 +196,10 @@ def state_specs(state: Any, axis_name: Any) -> Any:
 
     def one(leaf: Any, m: bool) -> P:
         spec = _placed_spec(leaf)
-        if spec is not None and _spec_axes(spec) - names:
+        placed = _spec_axes(spec) if spec is not None else frozenset()
+        # Over other mesh axes too, or over some of axis_name's axes only (a residual
+        # shared by a group averaged exactly first): the placement is the layout.
+        if placed - names or (placed and placed < names and not _single(leaf, names - placed)):
             return spec
         return P(axis_name) if m else P()
 
@@ -526,13 +529,21 @@ def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, 
 
 
 def _leaf_spec(t: _Trace, k: int, per: bool, axis_name: Any, mesh: jax.sharding.Mesh) -> P:
-    """Where state leaf ``k`` lies: ``P(axis_name)`` / ``P()`` as on a data-only mesh; a
+    """Where state leaf ``k`` lies: ``P(axis_name)`` / ``P()`` as on a data-only mesh (a
+    per-replica leaf that varies over some of several data axes only, over those); a
     leaf that also varies over the parameters' (model) axes takes the spec of the
     parameter it mirrors (same path ending, shape and axes: Adam's moments), else is
     tiled along its first dimension over every axis it varies over."""
     model = t.axes[k] & frozenset().union(*t.params.axes)
     if not model:
-        return P(axis_name) if per else P()
+        if not per:
+            return P()
+        # Over the axes of axis_name the leaf varies over (all of them, or, for a state
+        # shared by an exactly averaged group, some).
+        own = tuple(n for n in mesh.axis_names if n in (t.axes[k] & _axis_names(axis_name)))
+        if not own or len(own) == len(_axis_names(axis_name)):
+            return P(axis_name)
+        return P(own if len(own) > 1 else own[0])
     shape = tuple(jax.tree_util.tree_leaves(t.state)[k].shape)
     if not per:
         specs = jax.tree_util.tree_leaves(t.params.specs, is_leaf=lambda x: isinstance(x, P))

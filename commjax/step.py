@@ -160,8 +160,12 @@ class DataParallel:
                 raise ValueError("data_parallel: per_replica_params=True with parameters split over "
                                  f"{sorted(self._model_axes)} is not supported; place them P().")
             return params, self._init_split(params), self._tree_body
+        # Over several axes a leaf may vary over some of them only (a residual shared by a
+        # group averaged exactly first): the traced layout, not the mask, tells which.
+        several = isinstance(self.axis_name, (tuple, list)) and len(self.axis_name) > 1
         opt_state = layout.init_sharded(self.tx, params, self.mesh, self.axis_name,
-                                        per_replica_params=self.per_replica_params, mask=mask,
+                                        per_replica_params=self.per_replica_params,
+                                        mask=None if several else mask,
                                         manual_axes=self._manual)
         if self.per_replica_params:
             params = jax.tree_util.tree_map(

@@ -10,6 +10,7 @@ The compiled HLO tells the two apart by the size of each collective's replica gr
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -240,3 +241,41 @@ def test_nonfinite_on_one_device_poisons_every_device_but_not_the_state(mesh, gr
     assert not np.array_equal(new, old)
     np.testing.assert_array_equal(np.asarray(state_bad.server_residual),
                                   np.asarray(state.server_residual))
+
+
+def test_data_parallel_over_both_axes_lays_the_group_state_out_per_slow_replica(mesh):
+    """``cj.data_parallel(..., axis_name=("dcn", "ici"))`` with the hierarchical mean: the
+    residuals, shared by an ``ici`` group (they follow the group's exact mean), are laid
+    out over ``dcn`` alone, and three steps land on the bits of the hand-written
+    ``shard_map`` whose state is laid out ``P("dcn")``. Laid out over both axes (the mask
+    of any per-replica leaf), the residual was typed varying over ``ici`` and the step
+    refused the replicated parameters."""
+    tx = optax.chain(cj.compressed_mean(cj.quantize(8, stochastic=False), "dcn", inner_axis_name="ici",
+                                        min_compress_size=512), optax.sgd(0.1))
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 128).reshape(64, 128), "b": jnp.zeros((128,))}
+    batches = [jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4) / (10 + t) for t in range(3)]
+
+    def loss(p, b):
+        return jnp.sum(jnp.square(p["w"] - jnp.mean(b))) + jnp.sum(jnp.square(p["b"] - jnp.max(b)))
+
+    dp = cj.data_parallel(loss, tx, mesh, axis_name=DEV)
+    state = dp.init(params)
+    residuals = jax.tree_util.tree_leaves(state.opt_state[0].residual)
+    assert residuals and all(r.sharding.spec == P("dcn") for r in residuals)
+    for b in batches:
+        state, _ = dp.step(state, b)
+
+    s = cj.init_sharded(tx, params, mesh, "dcn")
+    specs = cj.state_specs(s, "dcn")
+
+    def body(p, st, b):
+        g = jax.grad(loss)(cj.vary(p, DEV), b)
+        u, st = tx.update(g, st, p)
+        return optax.apply_updates(p, u), st
+
+    f = jax.jit(_compat.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(DEV)), out_specs=(P(), specs)))
+    p = params
+    for b in batches:
+        p, s = f(p, s, b)
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(state.params[k]), np.asarray(p[k]))
