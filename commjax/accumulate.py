@@ -107,7 +107,7 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
     or a function of the real-step count (``gradient_step``) as in ``optax.MultiSteps``.
 
     The state is an ``optax.MultiStepsState``: ``acc_grads`` is per replica (each
-    replica's own running mean), everything else replicated;
+    replica's own running mean; a scalar parameter's as ``[1]``), everything else replicated;
     [`commjax.init_sharded`][] finds that by tracing.
 
     Returns:
@@ -132,7 +132,8 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
         return optax.MultiStepsState(
             mini_step=jnp.zeros([], jnp.int32), gradient_step=jnp.zeros([], jnp.int32),
             inner_opt_state=inner.init(params),
-            acc_grads=optax.tree.zeros_like(params, dtype=dtype), skip_state=())
+            acc_grads=jax.tree_util.tree_map(lambda p: _stored(jnp.zeros(jnp.shape(p), dtype)), params),
+            skip_state=())
 
     def update_fn(updates, state, params=None, **extra):
         return _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra)
@@ -148,13 +149,20 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
     return out
 
 
+def _stored(acc: jax.Array) -> jax.Array:
+    """An accumulator as the state holds it: a scalar parameter's as ``[1]`` (a
+    per-replica leaf is laid out along its leading axis, which a scalar lacks)."""
+    return acc.reshape(1) if acc.ndim == 0 else acc
+
+
 def _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra):
     k = schedule(state.gradient_step)
     n = state.mini_step
+    held = jax.tree_util.tree_map(lambda g, a: a.reshape(jnp.shape(g)), updates, state.acc_grads)
     if use_grad_mean:
-        acc = jax.tree_util.tree_map(lambda g, a: a + (g - a) / (n + 1), updates, state.acc_grads)
+        acc = jax.tree_util.tree_map(lambda g, a: a + (g - a) / (n + 1), updates, held)
     else:
-        acc = jax.tree_util.tree_map(lambda g, a: g + a, updates, state.acc_grads)
+        acc = jax.tree_util.tree_map(lambda g, a: g + a, updates, held)
     # The counters are replicated, so every replica takes the same branch: the inner
     # transform's collectives run on the k-th micro-step only, everywhere at once.
     emit = n == k - 1
@@ -171,7 +179,7 @@ def _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra
         mini_step=(n + 1) % k,
         gradient_step=state.gradient_step + emit.astype(state.gradient_step.dtype),
         inner_opt_state=inner_state,
-        acc_grads=jax.tree_util.tree_map(lambda a: ((1 - emit) * a).astype(dtype), acc),
+        acc_grads=jax.tree_util.tree_map(lambda a: _stored(((1 - emit) * a).astype(dtype)), acc),
         skip_state=state.skip_state)
     return out, new_state
 

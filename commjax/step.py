@@ -83,6 +83,14 @@ class _Nnx:
     wrt: Any
 
 
+def _empty_replicated(tree: Any) -> Any:
+    """Every empty array of ``tree`` as fresh zeros: an empty leaf holds no value, and it is
+    placed replicated (``layout.place``, as ``jit`` returns it), where the one computed from
+    a gradient would be typed varying."""
+    return jax.tree_util.tree_map(
+        lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.Array) and x.size == 0 else x, tree)
+
+
 class DataParallel:
     """A compiled data-parallel train step; made by
     [`data_parallel`][commjax.step.data_parallel]."""
@@ -292,9 +300,7 @@ class DataParallel:
         updates, opt_state = self._update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         if self.per_replica_params:
-            # An empty leaf holds no value and goes out replicated (``_param_specs``).
-            params = jax.tree_util.tree_map(
-                lambda a: jnp.zeros((1,) + a.shape, a.dtype) if a.size == 0 else a[None], params)
+            params = jax.tree_util.tree_map(lambda a: a[None], params)
         return params, opt_state, loss, aux
 
     def _nnx_body(self, state: TrainState, batch, key):
@@ -319,7 +325,7 @@ class DataParallel:
             key = jax.random.fold_in(jax.random.fold_in(
                 jax.random.wrap_key_data(state.key), state.step), lax.axis_index(axis))
             params, opt_state, loss, aux = body(state, batch, key)
-            new = TrainState(state.step + 1, params, opt_state, state.key)
+            new = _empty_replicated(TrainState(state.step + 1, params, opt_state, state.key))
             per_replica = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], (loss, aux))
             return new, per_replica
 

@@ -130,6 +130,27 @@ def test_accumulate_equals_multisteps_and_sends_once(mesh4):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -21, atol=2 ** -30)
 
 
+def test_accumulate_with_scalar_and_empty_parameters(mesh4):
+    """A scalar parameter's accumulator is held as ``[1]`` (a per-replica leaf needs a
+    leading axis: the layout refused it) and an empty parameter's goes out as fresh zeros
+    (placed replicated, it was typed varying): the other leaves train bit for bit as
+    without them, and the scalar trains as the same value held as ``[1]``."""
+    def lsq(p, b):
+        return sum(jnp.sum(jnp.square(v - jnp.mean(b[0]))) for v in jax.tree_util.tree_leaves(p))
+
+    def run(params):
+        dp = cj.data_parallel(lsq, cj.accumulate(inner_tx(), every_k=2), mesh4)
+        return train(dp, dp.init(params), 4).params
+
+    w = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
+    both = run({"w": w, "c": jnp.asarray(0.5), "e": jnp.zeros((3, 0))})
+    alone = run({"w": w, "c": jnp.asarray([0.5])})
+    assert both["c"].shape == () and both["e"].shape == (3, 0)
+    np.testing.assert_array_equal(np.asarray(both["w"]), np.asarray(alone["w"]))
+    np.testing.assert_array_equal(np.asarray(both["c"]).reshape(1), np.asarray(alone["c"]))
+    assert float(both["c"]) != 0.5
+
+
 class MLP(nnx.Module):
     def __init__(self, rngs):
         self.l1 = nnx.Linear(DIM, HIDDEN, rngs=rngs)
