@@ -115,6 +115,7 @@ class DataParallel:
         self._wrt = wrt
         self._nnx: Optional[_Nnx] = None
         self._specs: Any = None
+        self._traced_specs: Any = None  # the optimizer state's specs over several data axes
         self._step: Optional[Callable[..., Any]] = None
 
     # ---------------------------------------------------------------- init
@@ -137,7 +138,8 @@ class DataParallel:
             params, opt_state, body = self._init_tree(params)
         key = jax.random.key_data(jax.random.key(seed))
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, key)
-        opt_specs = layout.state_specs(opt_state, self.axis_name)
+        opt_specs = (self._traced_specs if self._traced_specs is not None
+                     else layout.state_specs(opt_state, self.axis_name))
         if self._shard_specs is not None:  # split model: the data part of each spec
             opt_specs = jax.tree_util.tree_map(lambda sp: _only(sp, self._manual), opt_specs,
                                                is_leaf=lambda x: isinstance(x, P))
@@ -175,6 +177,10 @@ class DataParallel:
                                         per_replica_params=self.per_replica_params,
                                         mask=None if several else mask,
                                         manual_axes=self._manual)
+        if several:  # placements over an axis of one device cannot be read back
+            self._traced_specs = layout.state_layout(
+                self.tx, params, self.mesh, self.axis_name, per_replica_params=self.per_replica_params,
+                manual_axes=self._manual)[0]
         if self.per_replica_params:
             params = jax.tree_util.tree_map(
                 lambda p: layout.place(np.asarray(p)[None], True, self.mesh, self.axis_name,
