@@ -34,6 +34,7 @@ from jax import lax
 
 from commjax import _compat, validation
 from commjax.accounting import CommunicationPlan, planner_of, with_plan
+from commjax.layout import with_leading_axis
 from commjax.plan import float_baseline, repeated
 
 __all__ = ["accumulate", "is_multisteps"]
@@ -132,7 +133,7 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
         return optax.MultiStepsState(
             mini_step=jnp.zeros([], jnp.int32), gradient_step=jnp.zeros([], jnp.int32),
             inner_opt_state=inner.init(params),
-            acc_grads=jax.tree_util.tree_map(lambda p: _stored(jnp.zeros(jnp.shape(p), dtype)), params),
+            acc_grads=jax.tree_util.tree_map(lambda p: with_leading_axis(jnp.zeros(jnp.shape(p), dtype)), params),
             skip_state=())
 
     def update_fn(updates, state, params=None, **extra):
@@ -147,12 +148,6 @@ def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool
             tuple(repeated(planner(params, num_replicas, **kw).transfers, every_k, offset=every_k - 1)),
             float_baseline(params, num_replicas)))
     return out
-
-
-def _stored(acc: jax.Array) -> jax.Array:
-    """An accumulator as the state holds it: a scalar parameter's as ``[1]`` (a
-    per-replica leaf is laid out along its leading axis, which a scalar lacks)."""
-    return acc.reshape(1) if acc.ndim == 0 else acc
 
 
 def _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra):
@@ -179,7 +174,7 @@ def _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra
         mini_step=(n + 1) % k,
         gradient_step=state.gradient_step + emit.astype(state.gradient_step.dtype),
         inner_opt_state=inner_state,
-        acc_grads=jax.tree_util.tree_map(lambda a: _stored(((1 - emit) * a).astype(dtype)), acc),
+        acc_grads=jax.tree_util.tree_map(lambda a: with_leading_axis(((1 - emit) * a).astype(dtype)), acc),
         skip_state=state.skip_state)
     return out, new_state
 

@@ -56,6 +56,8 @@ __all__ = [
     "carry_layout",
     "place",
     "specs_from_mask",
+    "init_laid_out",
+    "with_leading_axis",
     "per_replica",
     "per_replica_mask",
     "state_specs",
@@ -116,6 +118,14 @@ def _single(leaf: Any, axis_name: Any) -> bool:
     mesh = leaf.sharding.mesh
     names = _axis_names(axis_name) if axis_name is not None else frozenset(mesh.axis_names)
     return all(mesh.shape.get(a, 1) == 1 for a in names)
+
+
+def with_leading_axis(x: Any) -> jax.Array:
+    """``x`` as a per-replica state leaf holds it: a scalar as ``[1]`` (the replicas' values
+    are laid out along the leading axis, which a scalar lacks); any other array as it is.
+    A transform reads it back with ``reshape`` to the shape it mirrors."""
+    x = jnp.asarray(x)
+    return x.reshape(1) if x.ndim == 0 else x
 
 
 def _first_axis(spec: P) -> Any:
@@ -599,6 +609,13 @@ def init_sharded(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, 
                                      manual_axes=manual_axes)
     else:
         specs, pspecs = specs_from_mask(mask, axis_name), pl.specs
-    fn = _compat.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=specs, check_vma=False,
-                           axis_names=manual)
+    return init_laid_out(tx, params, mesh, specs, pspecs, manual_axes)
+
+
+def init_laid_out(tx: Any, params: Any, mesh: jax.sharding.Mesh, specs: Any, param_specs: Any,
+                  manual_axes: Any = None) -> Any:
+    """``tx.init(params)`` inside ``shard_map``, its state placed with ``specs`` (as
+    [`state_layout`][commjax.layout.state_layout] returns them with ``param_specs``)."""
+    fn = _compat.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs, check_vma=False,
+                           axis_names=_manual(mesh, manual_axes))
     return jax.jit(fn)(params)

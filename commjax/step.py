@@ -170,17 +170,19 @@ class DataParallel:
                 raise ValueError("data_parallel: per_replica_params=True with parameters split over "
                                  f"{sorted(self._model_axes)} is not supported; place them P().")
             return params, self._init_split(params), self._tree_body
-        # Over several axes a leaf may vary over some of them only (a residual shared by a
-        # group averaged exactly first): the traced layout, not the mask, tells which.
-        several = isinstance(self.axis_name, (tuple, list)) and len(self.axis_name) > 1
-        opt_state = layout.init_sharded(self.tx, params, self.mesh, self.axis_name,
-                                        per_replica_params=self.per_replica_params,
-                                        mask=None if several else mask,
-                                        manual_axes=self._manual)
-        if several:  # placements over an axis of one device cannot be read back
-            self._traced_specs = layout.state_layout(
+        if isinstance(self.axis_name, (tuple, list)) and len(self.axis_name) > 1:
+            # A leaf may vary over some of several axes only (a residual shared by a group
+            # averaged exactly first): the traced layout, not the mask, tells which, and is
+            # kept as the specs (placements over an axis of one device cannot be read back).
+            self._traced_specs, pspecs = layout.state_layout(
                 self.tx, params, self.mesh, self.axis_name, per_replica_params=self.per_replica_params,
-                manual_axes=self._manual)[0]
+                manual_axes=self._manual)
+            opt_state = layout.init_laid_out(self.tx, params, self.mesh, self._traced_specs, pspecs,
+                                             self._manual)
+        else:
+            opt_state = layout.init_sharded(self.tx, params, self.mesh, self.axis_name,
+                                            per_replica_params=self.per_replica_params, mask=mask,
+                                            manual_axes=self._manual)
         if self.per_replica_params:
             params = jax.tree_util.tree_map(
                 lambda p: layout.place(np.asarray(p)[None], True, self.mesh, self.axis_name,

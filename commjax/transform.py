@@ -476,13 +476,12 @@ def _with_residuals(parts, residuals, segments):
                                for p, r, s in zip(parts, residuals, segments)])
 
 
-def _means(cfg, plan, exact: _Exact, comp: Optional[_Compressed], n_rep) -> list:
-    """Each compressed leaf's mean (flat, or in its shape when sent directly)."""
+def _means(plan, exact: _Exact, comp: Optional[_Compressed]) -> list:
+    """Each compressed leaf's mean (flat, or in its shape when sent directly); on one
+    replica typed replicated by the reducer or exchange itself."""
     comp_idx = [i for i, r in enumerate(plan.routes) if r == COMPRESS]
     if comp is None:
         return [exact.out[i] for i in comp_idx]
-    if cfg.axis_name is not None and n_rep == 1:
-        return [_compat.psum(m, cfg.axis_name) for m in comp.means]  # types it replicated
     return list(comp.means)
 
 
@@ -596,7 +595,7 @@ def _update(cfg: ExchangeConfig, updates, state: CompressedMeanState):
         keys = (jax.random.fold_in(exact.shared_key, state.count), replica_key,
                 jax.random.fold_in(exact.shared_key, _INIT_SALT))
         comp = _compressed_stage(cfg, leaves, plan, state, keys, n_rep, exact)
-    means = _means(cfg, plan, exact, comp, n_rep)
+    means = _means(plan, exact, comp)
     bad = _bad_flags(cfg, plan, exact, comp)
     any_bad = jnp.any(jnp.stack(bad)) if bad else jnp.zeros((), bool)
     out, residual = _finish_leaves(cfg, leaves, plan, state, exact, comp, means, bad)

@@ -43,7 +43,7 @@ from commjax import _compat, guards, validation
 from commjax.accounting import CommunicationPlan, Transfer, ring_bytes, with_plan
 from commjax.collectives.permute import _coders, _leaf_key, check_permute_codec
 from commjax.compressors.base import Compressor
-from commjax.layout import per_replica
+from commjax.layout import per_replica, with_leading_axis
 
 __all__ = ["ChocoState", "choco", "consensus_distance", "neighbour_perms", "TOPOLOGIES"]
 
@@ -163,8 +163,8 @@ def _update(cfg: _Config, grads, state: ChocoState, params):
     inner_u, new_inner = cfg.inner.update(grads, inner, params)
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     u_leaves = treedef.flatten_up_to(inner_u)
-    pub = [_held(c, p) for c, p in zip(treedef.flatten_up_to(state.public), p_leaves)]
-    nb = [_held(c, p) for c, p in zip(treedef.flatten_up_to(state.neighbours), p_leaves)]
+    pub = [c.reshape(jnp.shape(p)) for c, p in zip(treedef.flatten_up_to(state.public), p_leaves)]
+    nb = [c.reshape(jnp.shape(p)) for c, p in zip(treedef.flatten_up_to(state.neighbours), p_leaves)]
     idx = [i for i, p in enumerate(p_leaves) if _floating(p)]
     half = [p_leaves[i].astype(jnp.float32) + u_leaves[i].astype(jnp.float32) for i in idx]
     step_key = jax.random.fold_in(state.key, state.count)
@@ -188,27 +188,16 @@ def _update(cfg: _Config, grads, state: ChocoState, params):
     metrics = {name: jnp.where(bad, state.metrics[name], jnp.sqrt(sum(g, jnp.zeros((), jnp.float32))))
                for name, g in zip(("public_gap", "neighbour_gap"), gaps)}
     return unflat(out), ChocoState(
-        state.count + 1, state.key, unflat([_stored(c) for c in new_pub]), unflat([_stored(c) for c in new_nb]),
+        state.count + 1, state.key, unflat([with_leading_axis(c) for c in new_pub]),
+        unflat([with_leading_axis(c) for c in new_nb]),
         jax.tree_util.tree_map(lambda a: a[None], new_inner), _compat.vary(metrics, cfg.axis_name))
-
-
-def _stored(copy: jax.Array) -> jax.Array:
-    """A copy as the state holds it: a scalar parameter's as ``[1]`` (a per-replica leaf
-    is laid out along its leading axis, which a scalar lacks)."""
-    copy = jnp.asarray(copy)
-    return copy.reshape(1) if copy.ndim == 0 else copy
-
-
-def _held(copy: jax.Array, param: Any) -> jax.Array:
-    """The inverse of ``_stored``: the copy in its parameter's shape."""
-    return copy.reshape(jnp.shape(param))
 
 
 def _init(cfg: _Config, params) -> ChocoState:
     """Public copies and neighbourhood sums start at the (common) initial parameters:
     every replica then knows its neighbours' ``x^_j = x_0`` exactly without a send."""
     validation.check_real_leaves(params, factory="choco")
-    copy = jax.tree_util.tree_map(lambda p: _stored(jnp.asarray(p, jnp.float32) if _floating(p) else p), params)
+    copy = jax.tree_util.tree_map(lambda p: with_leading_axis(jnp.asarray(p, jnp.float32) if _floating(p) else p), params)
     inner = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], cfg.inner.init(params))
     return ChocoState(jnp.zeros((), jnp.int32), jax.random.PRNGKey(cfg.seed), copy, copy, inner,
                       {name: jnp.zeros((1,), jnp.float32) for name in ("public_gap", "neighbour_gap")})
