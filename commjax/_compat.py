@@ -119,6 +119,11 @@ def _vma_of(x: Any) -> Optional[frozenset]:
         aval = jax.typeof(x)
     except Exception:  # pragma: no cover - not a JAX value
         return None
+    return aval_varying_axes(aval)
+
+
+def aval_varying_axes(aval: Any) -> Optional[frozenset]:
+    """``varying_axes`` of an abstract value (e.g. a traced jaxpr's ``out_avals``)."""
     vma = getattr(aval, "vma", None)
     if vma is None:
         mat = getattr(aval, "manual_axis_type", None)

@@ -576,3 +576,31 @@ def test_complex_parameters_are_refused_by_name_where_the_state_is_real(name):
     params = {"w": jnp.ones((8, 8)), "z": jnp.ones((4,), jnp.complex64)}
     with pytest.raises(ValueError, match=r"\['z'\] is complex64.*real and imaginary parts"):
         REAL_ONLY[name]().init(params)
+
+
+ACCUMULATED = ("dgc", "onebit_adam", "decoupled_momentum", "diloco_q4", "streaming_diloco_q4", "choco_sign", "zero_q4",
+               "mean-q8-auto")
+
+
+@pytest.mark.parametrize("name", ACCUMULATED)
+def test_every_optimizer_accumulates_under_multisteps(mesh, name):
+    """``optax.MultiSteps(tx, 2)`` (run as [`commjax.accumulate`][], ``check_vma=True``):
+    the inner transform runs under a ``lax.cond`` on the second micro-step only, so the
+    parameters are bit for bit unchanged after the first micro-step and change after
+    the second. The held branch returns the inner state as it came in, typed as the
+    firing branch returns it: an optimizer whose state or updates come out varying where
+    they came in replicated (DGC's per-replica metric, DiLoCo's and CHOCO's updates of
+    per-replica parameters) failed with mismatched branch types."""
+    tx = optax.MultiSteps(CASES[name](), every_k_schedule=2)
+    dp = cj.data_parallel(lambda p, b: sum(jnp.sum(jnp.square(v - jnp.mean(b))) for v in jax.tree_util.tree_leaves(p)),
+                          tx, mesh, per_replica_params=name.startswith(PER_REPLICA_PARAMS))
+    state = dp.init(_params())
+    batch = jnp.arange(N * 4, dtype=jnp.float32).reshape(N, 4)
+    seen = [np.asarray(l) for l in jax.tree_util.tree_leaves(state.params)]
+    for micro in range(4):
+        state, loss = dp.step(state, batch * (micro + 1))
+        now = [np.asarray(l) for l in jax.tree_util.tree_leaves(state.params)]
+        changed = any(not np.array_equal(a, b) for a, b in zip(now, seen))
+        assert changed == (micro % 2 == 1), f"micro-step {micro}"
+        assert _finite_floats(state.params) and np.all(np.isfinite(np.asarray(loss)))
+        seen = now
