@@ -477,7 +477,7 @@ class _Trace(NamedTuple):
     axes: list  # per state leaf: the axes it varies over
     paths: list
     declared: list  # per state leaf: declared per replica by its state class
-    varies: bool  # the updates vary over axis_name
+    varies: list  # the paths of the update leaves that vary over axis_name
     params: _ParamLayout
 
 
@@ -521,15 +521,15 @@ def _trace(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any,
     # types as varying under check_vma=True so that every branch of a cond agrees): a cast
     # that check_vma=False tracing does not record, so the declaration joins the result.
     declared = jax.tree_util.tree_leaves(_map_marked(lambda leaf, m: m, state))
-    return _Trace(state, axes, paths, declared, any(a & names for a in upd), pl)
+    return _Trace(state, axes, paths, declared, [p for p, a in zip(pl.paths, upd) if a & names], pl)
 
 
 def trace_update(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any, *,
-                 per_replica_params: bool = False, manual_axes: Any = None) -> tuple[Any, bool]:
-    """``(per-replica mask of the state, whether the updates vary over axis_name)`` from
-    one trace of ``tx`` ([`infer_per_replica`][commjax.layout.infer_per_replica]). Updates that vary
-    with replicated
-    parameters mean ``tx`` averages nothing: the replicas would drift apart."""
+                 per_replica_params: bool = False, manual_axes: Any = None) -> tuple[Any, list]:
+    """``(per-replica mask of the state, the paths of the update leaves that vary over
+    axis_name)`` from one trace of ``tx`` ([`infer_per_replica`][commjax.layout.infer_per_replica]).
+    Updates that vary with replicated parameters are not averaged: the replicas would
+    drift apart."""
     t = _trace(tx, params, mesh, axis_name, per_replica_params, manual_axes)
     names = _axis_names(axis_name)
     sizes = [int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(t.state)]

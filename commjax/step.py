@@ -157,11 +157,12 @@ class DataParallel:
                                            manual_axes=self._manual)
         if varies and not self.per_replica_params:
             raise ValueError(
-                f"data_parallel: `tx`'s updates differ between replicas over {self.axis_name!r} "
-                "(it averages nothing), so replicated parameters would drift apart. Put "
-                f"cj.compressed_mean(compressor, axis_name={self.axis_name!r}) first in the "
-                "optax.chain, or pass per_replica_params=True for optimizers whose replicas "
-                "hold their own parameters (cj.diloco).")
+                f"data_parallel: `tx`'s updates of {_named(varies)} differ between replicas over "
+                f"{self.axis_name!r} (nothing averages them), so replicated parameters would drift "
+                f"apart. Put cj.compressed_mean(compressor, axis_name={self.axis_name!r}) first in "
+                "the optax.chain, and over every leaf (not inside optax.masked or one partition "
+                "of optax.multi_transform), or pass per_replica_params=True for optimizers whose "
+                "replicas hold their own parameters (cj.diloco).")
         if self._model_axes and _split(params, self._model_axes):
             if self._sync is not None:
                 raise ValueError("data_parallel: `sync` with parameters split over "
@@ -240,10 +241,10 @@ class DataParallel:
                                            manual_axes=self._manual)
         if varies:
             raise ValueError(
-                f"data_parallel: the optimizer's updates differ between replicas over "
-                f"{self.axis_name!r} (it averages nothing), so the model's replicas would drift "
-                f"apart. Put cj.compressed_mean(..., axis_name={self.axis_name!r}) first in "
-                "the optax chain.")
+                f"data_parallel: the optimizer's updates of {_named(varies)} differ between replicas "
+                f"over {self.axis_name!r} (nothing averages them), so the model's replicas would "
+                f"drift apart. Put cj.compressed_mean(..., axis_name={self.axis_name!r}) first in "
+                "the optax chain, over every leaf.")
         # Initialised again inside shard_map, so that state sized by the replica count (the
         # two-phase server residual) fits this mesh, and carried over to the nnx.State by
         # path: nnx.split has turned optax's NamedTuples into dicts.
@@ -417,6 +418,12 @@ def _paths(tree: Any) -> list[tuple[str, ...]]:
         names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
         out.append(tuple(names[:-1] if names and names[-1] == "value" else names))
     return out
+
+
+def _named(paths: list, most: int = 4) -> str:
+    """A few leaf paths for an error message (a single-array parameter's empty path as "the parameters")."""
+    shown = [p or "the parameters" for p in paths[:most]]
+    return ", ".join(shown) + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 def _split(params: Any, axes: frozenset) -> bool:

@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,8 +252,16 @@ def test_bad_arguments_name_the_fix(mesh4):
         cj.data_parallel(loss_fn, inner_tx(), mesh4, axis_name="model")
     with pytest.raises(ValueError, match="`has_aux` must be True or False"):
         cj.data_parallel(loss_fn, inner_tx(), mesh4, has_aux="yes")
-    with pytest.raises(ValueError, match="averages nothing.*compressed_mean"):
+    with pytest.raises(ValueError, match="nothing averages them.*compressed_mean"):
         cj.data_parallel(loss_fn, optax.adam(1e-3), mesh4).init(init_params())
+    # A mean over some leaves only names the others.
+    params = init_params()
+    first = jax.tree_util.tree_leaves_with_path(params)[0][0]
+    mask = jax.tree_util.tree_map_with_path(lambda p, _: p != first, params)
+    masked = optax.chain(optax.masked(cj.compressed_mean(cj.quantize(8), "data"), mask), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=re.escape(f"updates of {jax.tree_util.keystr(first)} differ")
+                       + ".*not inside optax.masked"):
+        cj.data_parallel(loss_fn, masked, mesh4).init(params)
     dp = cj.data_parallel(loss_fn, inner_tx(), mesh4)
     with pytest.raises(RuntimeError, match="dp.init"):
         dp.step(None, batch(0))
