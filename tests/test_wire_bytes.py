@@ -181,3 +181,28 @@ def test_padded_sharded_collectives_send_the_plan_and_the_same_values(mesh, code
         np.testing.assert_allclose(mine, total, rtol=0.02, atol=0.02 * np.abs(total).max())
         decoded = np.concatenate([np.asarray(codec.decode(codec.encode(jnp.asarray(m), None), s)) for m in mine])
         assert all(np.array_equal(r, decoded) for r in full)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bool_, jnp.int8, jnp.int16, jnp.int32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_exact_collectives_of_every_dtype_send_the_plan(mesh, dtype):
+    """The three collectives on a leaf of each dtype that travels as it is (no codec): the
+    compiled HLO sends what the plan counts, and the values are ``lax``'s. Booleans are
+    summed as ``lax.psum`` sums them, counted in int32 (4 bytes each on the wire), by
+    ``reduce_scatter`` too, which ``lax.psum_scatter`` refuses; the plan counted one byte."""
+    n = 8
+    x = (jax.random.randint(jax.random.PRNGKey(1), (n, 64, 24), 0, 3) > 0).astype(dtype)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    for op, shape in ((cc.all_reduce, (64, 24)), (cc.all_gather, (64, 24)), (cc.reduce_scatter, (64, 24))):
+        fn = jax.jit(_compat.shard_map(lambda v: op(v[0], "data")[None], mesh=mesh, in_specs=P("data"),
+                                       out_specs=P("data"), check_vma=False))
+        rep = cj.collective_bytes(fn, xs)
+        want = cj.communication_plan(op, jax.ShapeDtypeStruct(shape, dtype), n).compiled_bytes
+        assert rep.total_ring_bytes == pytest.approx(want, abs=0.5), (op.__name__, rep.table())
+        got = np.asarray(fn(xs))
+        total = np.asarray(x).astype(np.int64 if dtype == jnp.bool_ else x.dtype).sum(0)
+        if op is cc.all_gather:
+            np.testing.assert_array_equal(got, np.broadcast_to(np.asarray(x).reshape(1, n * 64, 24), (n, n * 64, 24)))
+        elif op is cc.all_reduce:
+            np.testing.assert_array_equal(got, np.broadcast_to(total, (n,) + total.shape))
+        else:
+            np.testing.assert_array_equal(got.reshape(n * 8, 24), total)

@@ -38,7 +38,9 @@ around): each replica decodes what it receives and sums in fp32 itself.
 Layouts: leaves are flattened; each leaf (or, for ``reduce_scatter``, each leaf's chunk
 of ``size / N`` elements) is padded with zeros to the codec's alignment (whole blocks), so
 no block spans two leaves or two chunks. All leaves travel in one collective. Integer,
-boolean and complex leaves take the exact collective of ``jax.lax``.
+boolean and complex leaves take the exact collective of ``jax.lax``; a sum counts
+booleans in int32, as ``lax.psum`` does (``reduce_scatter`` too, which ``lax.psum_scatter``
+refuses).
 
 Randomness: ``key`` is a PRNG key that is the *same* on every replica; stochastic codecs
 fold in the replica index themselves, so their rounding noise differs per replica.

@@ -50,13 +50,20 @@ def wire_bytes(op: str, x: Any, num_replicas: int, codec: Optional[Compressor] =
     if op == "all_reduce":
         total = 0.0
         if inner_size > 1:
-            total += sum(ring_bytes("all-reduce", _nbytes(l), inner_size) for l in leaves)
+            total += sum(ring_bytes("all-reduce", _nbytes(_summed(l)), inner_size) for l in leaves)
         return total + _reduce_bytes(leaves, codec, num_replicas, reducer)
     raise ValueError(f"wire_bytes: `op` must be 'all_gather', 'reduce_scatter' or 'all_reduce'; got {op!r}.")
 
 
 def _nbytes(leaf) -> int:
     return math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
+
+
+def _summed(leaf) -> Any:
+    """``leaf`` as a sum sends it: booleans are counted in int32 (``lax.psum``)."""
+    if jnp.dtype(jnp.result_type(leaf)) != jnp.bool_:
+        return leaf
+    return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.int32)
 
 
 def _sent_bytes(leaf, n: int, width) -> int:
@@ -79,7 +86,8 @@ def _gather_bytes(leaves, codec, n) -> float:
 def _scatter_bytes(leaves, codec, n) -> float:
     items = [] if _is_exact(codec) else _items(leaves, codec, n)
     done = {it.index for it in items}
-    exact = sum(ring_bytes("reduce-scatter", _sent_bytes(l, n, scatter_width), n) for i, l in enumerate(leaves) if i not in done)
+    exact = sum(ring_bytes("reduce-scatter", _sent_bytes(_summed(l), n, scatter_width), n)
+                for i, l in enumerate(leaves) if i not in done)
     if not items:
         return exact
     words = shard_width(sum(it.words for it in items))
@@ -89,10 +97,10 @@ def _scatter_bytes(leaves, codec, n) -> float:
 
 def _reduce_bytes(leaves, codec, n, reducer) -> float:
     if _is_exact(codec):
-        return sum(ring_bytes("all-reduce", _nbytes(l), n) for l in leaves)
+        return sum(ring_bytes("all-reduce", _nbytes(_summed(l)), n) for l in leaves)
     items = _items(leaves, codec, 1)
     done = {it.index for it in items}
-    exact = sum(ring_bytes("all-reduce", _nbytes(l), n) for i, l in enumerate(leaves) if i not in done)
+    exact = sum(ring_bytes("all-reduce", _nbytes(_summed(l)), n) for i, l in enumerate(leaves) if i not in done)
     segments, off = [], 0
     for it in items:
         segments.append(Segment(off, it.size, it.padded, it.shape))

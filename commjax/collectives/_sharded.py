@@ -133,7 +133,9 @@ def _scatter_impl(tree, axis_name, codec, key, residual, divide: int = 1):
     res_leaves = None if residual is None else jax.tree_util.tree_leaves(residual)
 
     def scatter(v):
-        v = _vary_out(v, axis_name)
+        # Booleans are counted in int32, as lax.psum (and all_reduce) sums them: XLA has no
+        # boolean sum, and lax.psum_scatter refuses them.
+        v = _vary_out(v.astype(jnp.int32) if v.dtype == jnp.bool_ else v, axis_name)
         return scatter_flat(v, axis_name, n) if v.ndim == 1 else lax.psum_scatter(v, axis_name, tiled=True)
 
     def exact(v):
