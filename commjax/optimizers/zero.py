@@ -542,7 +542,8 @@ def _check_codec(codec: Any, argument: str, weights: bool) -> Optional[Compresso
     if weights and isinstance(codec, Compressor) and not isinstance(codec, BlockCompressor):
         raise ValueError(
             f"zero: `{argument}`={codec.name} cannot carry weights: every replica must rebuild "
-            "every weight from the payload, and a sparsifier sends only some of them. Use a "
+            "every weight from the payload, and a sparsifier sends only some of them (a low-rank "
+            "codec an approximation of the whole matrix). Use a "
             "dense block codec: cj.quantize(bits=8 | 4), cj.cast(), cj.hadamard(cj.quantize(...)), "
             "or None for exact fp32.")
     codec = check_codec(codec, "zero", argument)
