@@ -91,6 +91,10 @@ def _width(num_params: float, layers: int, width: Optional[int] = None) -> int:
     whole lane rows. At another width every view is a relayout: compiled for a v5e-8 in
     4 MB buckets, int8 moves 5.79x the ``pmean`` step's memory at width 5000 and 4.76x at
     5120 (``docs/accelerators.md``)."""
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 1:
+        raise ValueError(f"bench: `layers` must be a positive integer (square matrices), got {layers!r}.")
+    if width is None and not (np.isfinite(num_params) and num_params >= 1):
+        raise ValueError(f"bench: `num_params` must be at least 1 (the model's parameters), got {num_params!r}.")
     if width is not None:
         if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
             raise ValueError(f"bench: `width` must be a positive integer (the matrices' side), got {width!r}.")
@@ -315,6 +319,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values argparse's types accept but no run can use: an error that names the flag."""
+    if not (np.isfinite(args.params) and args.params >= 1):
+        parser.error(f"argument --params: must be at least 1 (parameters of the model), got {args.params:g}")
+    for flag, value in (("layers", args.layers), ("steps", args.steps), ("batch", args.batch),
+                        ("devices", args.devices), ("width", args.width)):
+        if value is not None and value < 1:
+            parser.error(f"argument --{flag}: must be a positive integer, got {value}")
+    if args.bucket_mb is not None and not (np.isfinite(args.bucket_mb) and args.bucket_mb >= 0):
+        parser.error(f"argument --bucket-mb: must be >= 0 (0: one bucket), got {args.bucket_mb:g}")
+
+
 def _bucket_bytes(args: argparse.Namespace) -> Union[int, str]:
     """``--bucket-mb`` in bytes: ``0`` one bucket, ``"auto"`` when not given."""
     if args.bucket_mb is None:
@@ -337,7 +353,9 @@ def _options_line(args: argparse.Namespace) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     if args.target:
         return _main_target(args)
     flag = f"--xla_force_host_platform_device_count={args.devices}"
@@ -358,6 +376,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{jax.process_count()} process(es), {_model_line(args)}")
         print(_options_line(args))
         print(table(rows))
+        if jax.device_count() == 1:
+            print("one device: nothing crosses a network, so no step can be faster than the exact "
+                  "one; pass --devices N to simulate N CPU devices, or run on several accelerators")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([dataclasses.asdict(r) for r in rows], f, indent=2)

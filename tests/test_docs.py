@@ -313,3 +313,26 @@ def test_docstrings_use_markdown_cross_references():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "commjax").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if role.search(line)]
     assert not found, f"Sphinx roles (write [`name`][] or [`name`][full.path]): {found[:10]}"
+
+
+@pytest.mark.parametrize("argv,flag", [(["--params", "0"], "--params"), (["--params", "-5"], "--params"),
+                                       (["--params", "inf"], "--params"), (["--layers", "0"], "--layers"),
+                                       (["--steps", "0"], "--steps"), (["--batch", "0"], "--batch"),
+                                       (["--devices", "0"], "--devices"), (["--width", "0"], "--width"),
+                                       (["--bucket-mb", "-1"], "--bucket-mb")])
+def test_bench_refuses_values_no_run_can_use(argv, flag, capsys):
+    """``python -m commjax.bench`` with a count that is not positive (or a negative bucket
+    size) stops before any compile, naming the flag: it printed NaN rows, or failed with
+    a ZeroDivisionError (``--layers 0``) or a TypeError (``--params -5``)."""
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_bench_run_refuses_a_model_it_cannot_build():
+    """``bench.run`` from Python: no parameters or no layers is an error naming the argument."""
+    with pytest.raises(ValueError, match="num_params"):
+        bench._width(0, 2)
+    with pytest.raises(ValueError, match="layers"):
+        bench._width(1e4, 0)
