@@ -379,4 +379,14 @@ def _check_shapes(targets: dict, shapes: Optional[dict], paths: list, step: int)
                 f"Checkpointer.restore: leaf {paths[int(name.split('_')[1])]} has shape "
                 f"{tuple(got[0])} ({got[1]}) in the template but {tuple(want_shape)} "
                 f"({want_dtype}) in checkpoint step {step}. Build `like` the way the saved tree "
-                "was built.")
+                f"was built.{_replica_hint(got[0], list(want_shape))}")
+
+
+def _replica_hint(got: list, want: list) -> str:
+    """Where only the first axis differs: a per-replica leaf (one row block per replica)
+    saved with another replica count."""
+    if len(got) != len(want) or not got or got[1:] != want[1:] or got[0] == want[0]:
+        return ""
+    return (" Only the first axis differs, as it does for a per-replica state leaf saved with "
+            "another number of replicas: restore onto the mesh the checkpoint was saved from "
+            "(per-replica residuals and copies do not carry over to another replica count).")

@@ -153,6 +153,10 @@ def test_mismatched_template_names_the_first_differing_leaf(tmp_path, mesh):
     wrong_shape = {"params": {"w": jnp.ones((32, 64)), "b": jnp.zeros((64,))}, "opt": state}
     with pytest.raises(CheckpointMismatchError, match="shape"):
         restore(tmp_path, wrong_shape)
+    # The same state laid out for half the replicas: the first axis of a per-replica leaf.
+    half = jax.tree_util.tree_map(lambda a: a[: a.shape[0] // 2] if a.ndim and a.shape[0] % 2 == 0 else a, state)
+    with pytest.raises(CheckpointMismatchError, match="first axis differs.*another number of replicas"):
+        restore(tmp_path, {"params": params, "opt": half})
 
 
 def test_bad_arguments_are_named(tmp_path):
