@@ -276,7 +276,9 @@ class DataParallel:
 
     def _place_replicated(self, leaf: Any) -> Any:
         if isinstance(leaf, jax.Array) and _is_placed(leaf):
-            return leaf
+            # An array the caller placed (their parameters, or state that is them): the
+            # step donates the state's buffers, which would delete the caller's arrays.
+            return _copy(leaf) if self.donate else leaf
         return layout.place(leaf, False, self.mesh, self.axis_name, self.num_replicas)
 
     # ---------------------------------------------------------------- the step
@@ -448,6 +450,12 @@ def _only(spec: P, axes: frozenset) -> P:
 
 def _names(axis_name: Any) -> frozenset:
     return frozenset(axis_name) if isinstance(axis_name, (tuple, list)) else frozenset({axis_name})
+
+
+@jax.jit
+def _copy(x: jax.Array) -> jax.Array:
+    """``x`` in new buffers, with its sharding."""
+    return jnp.copy(x)
 
 
 def _is_placed(x: Any) -> bool:

@@ -26,7 +26,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commjax as cj
 from commjax import _compat, layout
@@ -241,6 +241,30 @@ def test_every_transform_state_saves_with_standard_orbax(mesh4, tmp_path):
     for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(back)):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_callers_placed_parameters_survive_the_donated_step(mesh4):
+    """Parameters the caller has already placed on the mesh (``jax.device_put`` with a
+    ``NamedSharding``, as a ``jit`` user holds them): ``dp.init`` gives the state its own
+    buffers, so the donating step leaves the caller's arrays (and the arrays they were
+    placed from) alive and unchanged; the state aliased them and the first step deleted
+    them."""
+    raw = init_params()
+    placed = jax.device_put(raw, NamedSharding(mesh4, P()))
+    before = {k: np.asarray(v) for k, v in placed.items()}
+    dp = cj.data_parallel(loss_fn, inner_tx(), mesh4)
+    state = dp.init(placed)
+    pointers = lambda a: {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}  # noqa: E731
+    for k, v in placed.items():  # the step donates these: none may be the caller's
+        assert not pointers(state.params[k]) & pointers(v), k
+    for t in range(2):
+        state, _ = dp.step(state, batch(t))
+    for tree in (placed, raw):
+        assert not any(v.is_deleted() for v in tree.values())
+    for k, v in placed.items():
+        np.testing.assert_array_equal(np.asarray(v), before[k])
+        assert v.sharding == state.params[k].sharding
+    assert any(not np.array_equal(np.asarray(state.params[k]), before[k]) for k in before)
 
 
 def test_bad_arguments_name_the_fix(mesh4):
