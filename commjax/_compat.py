@@ -80,6 +80,25 @@ def abstract_mesh(mesh: jax.sharding.Mesh) -> Any:
     return mesh if current is None or not getattr(current, "axis_names", ()) else current
 
 
+def typed_cond(pred: Any, true_fn: Callable[[Any], Any], false_fn: Callable[[Any], Any], operands: Any) -> Any:
+    """``lax.cond(pred, true_fn, false_fn, operands)`` with each output leaf of both
+    branches made varying over the union of the manual axes it varies over in either
+    (``check_vma=True`` needs the branches' types equal; a branch that passes a state leaf
+    through types it as it came in, one that computes it from this replica's values as
+    varying)."""
+    avals = [jax.make_jaxpr(fn)(operands).out_avals for fn in (true_fn, false_fn)]
+    union = [tuple(sorted((aval_varying_axes(a) or frozenset()) | (aval_varying_axes(b) or frozenset())))
+             for a, b in zip(*avals)]
+
+    def typed(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(ops: Any) -> Any:
+            leaves, treedef = jax.tree_util.tree_flatten(fn(ops))
+            return jax.tree_util.tree_unflatten(treedef, [vary(l, u) if u else l for l, u in zip(leaves, union)])
+        return run
+
+    return lax.cond(pred, typed(true_fn), typed(false_fn), operands)
+
+
 def make_mesh(
     axis_shapes: Sequence[int],
     axis_names: Sequence[str],

@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from commjax import _compat, validation
 from commjax.accounting import CommunicationPlan, planner_of, with_plan
@@ -81,29 +80,6 @@ def _check_every_k(every_k: Any) -> EveryK:
         return every_k
     k = validation.check_positive_int("every_k", every_k, factory="accumulate")
     return lambda step: k
-
-
-def _typed_branches(fire: Callable[[Any], Any], operands: Any) -> tuple[Callable, Callable]:
-    """``(fire, hold)`` for the ``lax.cond`` of a micro-step, with outputs of the same types:
-    ``hold`` returns zero updates and the inner state as it came in, and each output leaf
-    of both is made varying over the union of the axes it varies over in either branch
-    (``check_vma=True``: an inner transform may return a state leaf typed varying that
-    came in replicated, e.g. a per-replica metric, or the reverse; ``lax.cond`` needs both
-    branches alike)."""
-    closed, shapes = jax.make_jaxpr(fire, return_shape=True)(operands)
-    fire_vma = [_compat.aval_varying_axes(a) or frozenset() for a in closed.out_avals]
-    zero_updates = [frozenset()] * len(jax.tree_util.tree_leaves(shapes[0]))
-    hold_vma = zero_updates + [_compat.varying_axes(l) or frozenset() for l in jax.tree_util.tree_leaves(operands[1])]
-    union = [tuple(sorted(a | b)) for a, b in zip(fire_vma, hold_vma)]
-
-    def typed(out: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten(out)
-        return jax.tree_util.tree_unflatten(treedef, [_compat.vary(l, u) if u else l for l, u in zip(leaves, union)])
-
-    def hold(ops: Any) -> Any:
-        return typed((jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[0]), ops[1]))
-
-    return (lambda ops: typed(fire(ops))), hold
 
 
 def accumulate(tx: Any, every_k: Optional[EveryK] = None, *, use_grad_mean: bool = True,
@@ -175,8 +151,12 @@ def _update(inner, schedule, use_grad_mean, dtype, updates, state, params, extra
         acc_, inner_state = ops
         return inner.update(optax.tree.cast_like(acc_, updates), inner_state, params, **extra)
 
-    out, inner_state = lax.cond(emit, *_typed_branches(fire, (acc, state.inner_opt_state)),
-                                (acc, state.inner_opt_state))
+    shapes = jax.eval_shape(fire, (acc, state.inner_opt_state))[0]
+
+    def hold(ops):  # zero updates, the inner state as it came in
+        return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), ops[1]
+
+    out, inner_state = _compat.typed_cond(emit, fire, hold, (acc, state.inner_opt_state))
     new_state = optax.MultiStepsState(
         mini_step=(n + 1) % k,
         gradient_step=state.gradient_step + emit.astype(state.gradient_step.dtype),
