@@ -502,7 +502,7 @@ def _trace(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any,
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     shapes = [l.shape for l in jax.tree_util.tree_leaves(state)]
     for path, a, shape in zip(paths, axes, shapes):
-        if a & (names | model) and not shape:
+        if a & names and not shape:
             raise ValueError(
                 f"infer_per_replica: state leaf {path} is a scalar that differs between "
                 f"replicas over {sorted(a & (names | model))} (it is computed from this "
@@ -510,6 +510,15 @@ def _trace(tx: Any, params: Any, mesh: jax.sharding.Mesh, axis_name: Any,
                 "cannot be laid out per replica. This is usually a decision taken on each "
                 "replica before the exchange: put optax.apply_if_finite (or any wrapper that "
                 "tests the gradient) *after* cj.compressed_mean in the chain, not around it.")
+        if a & model and not shape:
+            raise ValueError(
+                f"infer_per_replica: state leaf {path} is a scalar that differs between the "
+                f"devices of {sorted(a & model)}, over which the parameters are split: each "
+                "computes it from its own shard (a step counter advanced only on a finite "
+                "step, a norm of the whole leaf), so the shards would disagree on it. This "
+                "transform does not run on split parameters: place them whole (P()) on "
+                f"{sorted(a & model)}, or use one that works shard by shard "
+                "(cj.compressed_mean, cj.zero, cj.dgc).")
         if (a - names - model) and not (a & names):
             raise ValueError(
                 f"infer_per_replica: state leaf {path} varies over mesh axes "

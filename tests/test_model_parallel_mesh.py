@@ -135,6 +135,24 @@ def test_a_leaf_varying_over_an_unknown_axis_is_refused(meshes):
         cj.init_sharded(tx, jax.device_put(_params(), NamedSharding(mesh2, P("data"))), mesh2, "data")
 
 
+@pytest.mark.parametrize("make", [lambda: cj.onebit_adam(1e-3, warmup_steps=1),
+                                  lambda: cj.onebit_lamb(1e-3, warmup_steps=1)], ids=["onebit_adam", "onebit_lamb"])
+def test_a_transform_that_needs_whole_leaves_is_refused_on_split_parameters(meshes, make):
+    """1-bit Adam and LAMB keep a step counter advanced only on a finite step (and LAMB a
+    norm of each whole leaf): on weights split over "model" each device would decide from
+    its own shard. data_parallel refuses them naming the model axis and the fix; it said
+    to move optax.apply_if_finite, which the user had not used. Placed whole, they train."""
+    mesh2, _ = meshes
+    params, _ = _placed(mesh2)
+    with pytest.raises(ValueError, match=r"differs between the devices of \['model'\].*place them whole"):
+        cj.data_parallel(_loss, make(), mesh2).init(params)
+    dp = cj.data_parallel(_loss, make(), mesh2)
+    state = dp.init(jax.device_put(_params(), NamedSharding(mesh2, P())))
+    for t in range(2):
+        state, loss = dp.step(state, _batch(t))
+    assert np.all(np.isfinite(np.asarray(loss))) and dp.replicas_identical(state)
+
+
 @pytest.mark.slow
 def test_a_long_run_on_the_data_x_model_mesh_does_not_hang():
     """100 steps of cj.data_parallel on data x model in a fresh process, with the tests'
