@@ -484,7 +484,9 @@ def data_parallel(loss_fn: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
       with_rng: ``loss_fn`` takes a PRNG key, ``fold_in(fold_in(key, step), replica)``:
         different on every replica and step, reproducible from ``init``'s ``seed``.
       per_replica_params: each replica keeps its own parameters (``cj.diloco``).
-      donate: reuse the state's buffers for the new state (halves peak state memory).
+      donate: reuse the state's buffers for the new state (halves peak state memory). The
+        parameters given to ``init`` stay readable: where they are already placed on the
+        mesh, ``init`` copies them into the state.
       check_vma: ``shard_map``'s replication check (on by default).
       wrt: the NNX variable filter trained (default ``nnx.Param``).
       sync: a [`commjax.sync_in_backward`][] exchange run inside the backward pass, bucket
