@@ -41,6 +41,7 @@ from commjax.sync import InBackwardSync
 
 try:  # Flax is optional: NNX modules are supported when it is installed.
     from flax import nnx
+    from flax.nnx.training.optimizer import to_opt_state
 except ImportError:  # pragma: no cover - exercised without the flax extra
     nnx = None
 
@@ -231,12 +232,7 @@ class DataParallel:
                             f"{type(optimizer).__name__}.")
         if is_multisteps(optimizer.tx):
             optimizer.tx = accumulate(optimizer.tx)  # same state, one exchange per real step
-        model_def, model_state = nnx.split(model)
-        opt_def, opt_state = nnx.split(optimizer)
-        self._nnx = _Nnx(model_def, opt_def, optimizer.wrt)
-        # The optax state's layout, traced on its own (pure, NamedTuple) structure.
         params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-        pure = nnx.as_pure(optimizer.opt_state)
         mask, varies = layout.trace_update(optimizer.tx, params, self.mesh, self.axis_name,
                                            manual_axes=self._manual)
         if varies:
@@ -245,19 +241,18 @@ class DataParallel:
                 f"over {self.axis_name!r} (nothing averages them), so the model's replicas would "
                 f"drift apart. Put cj.compressed_mean(..., axis_name={self.axis_name!r}) first in "
                 "the optax chain, over every leaf.")
-        # Initialised again inside shard_map, so that state sized by the replica count (the
-        # two-phase server residual) fits this mesh, and carried over to the nnx.State by
-        # path: nnx.split has turned optax's NamedTuples into dicts.
-        fresh = layout.init_sharded(optimizer.tx, params, self.mesh, self.axis_name, mask=mask,
-                                    manual_axes=self._manual)
-        by_path = dict(zip(_paths(pure), jax.tree_util.tree_leaves(fresh)))
-        place = lambda leaf: layout.place(  # noqa: E731
+        # The optax state initialised again inside shard_map, for this mesh: the one
+        # nnx.Optimizer made outside it was sized for every device of the process (the
+        # two-phase server residual; which of ZeRO's leaves are compressed, and so which
+        # residuals exist), and can differ from it in shape and structure.
+        optimizer.opt_state = nnx.data(to_opt_state(layout.init_sharded(
+            optimizer.tx, params, self.mesh, self.axis_name, mask=mask, manual_axes=self._manual)))
+        model_def, model_state = nnx.split(model)
+        opt_def, opt_state = nnx.split(optimizer)
+        self._nnx = _Nnx(model_def, opt_def, optimizer.wrt)
+        place = lambda leaf: leaf if _is_placed(leaf) else layout.place(  # noqa: E731
             leaf, False, self.mesh, self.axis_name, self.num_replicas)
-        leaves, tree = jax.tree_util.tree_flatten(opt_state)
-        opt_state = jax.tree_util.tree_unflatten(tree, [
-            by_path[path[1:]] if path[:1] == ("opt_state",) else place(leaf)
-            for path, leaf in zip(_paths(opt_state), leaves)])
-        return jax.tree_util.tree_map(place, model_state), opt_state, self._nnx_body
+        return jax.tree_util.tree_map(place, model_state), jax.tree_util.tree_map(place, opt_state), self._nnx_body
 
     def _nnx_update(self, model_state, opt_state, grads):
         """``nnx.Optimizer.update`` on merged copies; returns the new states."""
@@ -409,17 +404,6 @@ class DataParallel:
                 if not all(np.array_equal(shards[0], s, equal_nan=True) for s in shards[1:]):
                     return False
         return True
-
-
-def _paths(tree: Any) -> list[tuple[str, ...]]:
-    """Each leaf's path as plain names (attribute, key or index alike; an NNX Variable's
-    trailing ``.value`` dropped), so that a NamedTuple state and its ``nnx.split`` dict
-    form name their leaves the same way."""
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
-        out.append(tuple(names[:-1] if names and names[-1] == "value" else names))
-    return out
 
 
 def _named(paths: list, most: int = 4) -> str:

@@ -182,6 +182,24 @@ def test_nnx_optimizer_with_multisteps_and_no_layout_code(mesh4):
     assert isinstance(dp.model(state), MLP)
 
 
+def test_nnx_optimizer_state_is_made_for_the_mesh(mesh4):
+    """An ``nnx.Optimizer`` built outside the mesh initialises its optax state for every
+    device of the process (8 here): ZeRO on the 4-device mesh compresses leaves it left
+    exact there, so the state for the mesh has residuals the optimizer's had not. The
+    state is initialised for the mesh (it was carried over leaf by leaf in order, and the
+    step failed reshaping a scalar into an accumulator), under optax.MultiSteps too."""
+    zero = lambda: cj.zero(optax.adam(1e-3), AX, grad_codec=cj.quantize(4), min_compress_size=256,  # noqa: E731
+                           grad_error_feedback=True)
+    for tx in (zero(), optax.MultiSteps(zero(), 2)):
+        model = MLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        outside = len(jax.tree_util.tree_leaves(nnx.as_pure(optimizer.opt_state)))
+        dp = cj.data_parallel(nnx_loss, tx, mesh4)
+        state = train(dp, dp.init(model, optimizer=optimizer), 4)
+        assert dp.replicas_identical(state)
+        assert len(jax.tree_util.tree_leaves(nnx.as_pure(state.opt_state["opt_state"]))) > outside
+
+
 def test_inject_hyperparams_and_rng_per_replica(mesh4):
     tx = optax.inject_hyperparams(lambda learning_rate: inner_tx(learning_rate))(learning_rate=0.05)
 
