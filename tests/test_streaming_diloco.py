@@ -488,6 +488,8 @@ def test_bad_types_and_too_many_fragments():
     tx = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, fragments=4)
     with pytest.raises(ValueError, match="`fragments` \\(4\\) is more than the parameters' 3 elements"):
         tx.init({"w": jnp.zeros((3,))})
+    with pytest.raises(ValueError, match="no elements to sync"):  # it said "pass fragments <= 0"
+        tx.init({"w": jnp.zeros((0, 5))})
     one = streaming_diloco(optax.sgd(0.1), nesterov(), sync_every=4, axis_name=None)
     with pytest.raises(ValueError, match="params"):
         one.update(SMALL, one.init(SMALL))

@@ -191,6 +191,9 @@ def fragment_leaves(params: Any, fragments: int, compressor: Optional[Compressor
     leaves = jax.tree_util.tree_leaves(params)
     shapes = [tuple(int(d) for d in np.shape(l)) for l in leaves]
     sizes = [int(np.prod(s)) for s in shapes]
+    if not sum(sizes):
+        raise ValueError(f"{_NAME}: the parameters have no elements to sync; pass a tree "
+                         "with at least one non-empty leaf.")
     if fragments > sum(sizes):
         raise ValueError(
             f"{_NAME}: `fragments` ({fragments}) is more than the parameters' {sum(sizes)} elements; "
