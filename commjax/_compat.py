@@ -133,6 +133,13 @@ def axis_size(axis_name: Any) -> int:
     return int(lax.psum(1, axis_name))  # pragma: no cover
 
 
+def _manual_axis_names() -> frozenset:
+    """The manual axes of the ``shard_map`` being traced (empty outside one)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    current = get() if get is not None else None
+    return frozenset(getattr(current, "manual_axes", ()) or ())
+
+
 def _vma_of(x: Any) -> Optional[frozenset]:
     try:
         aval = jax.typeof(x)
@@ -174,9 +181,13 @@ def vary(tree: Any, axis_name: Any) -> Any:
             f"vary: mesh axis {unbound[0]!r} is not bound here. Call cj.vary(params, axis) inside "
             "the jax.shard_map (or jax.pmap) that binds the axis, with the axis name of its mesh.")
 
+    manual = _manual_axis_names()
+
     def one(x: Any) -> Any:
         vma = _vma_of(x)
-        missing = tuple(n for n in names if vma is not None and n not in vma)
+        # Only a shard_map's manual axes type values varying; an axis bound by jax.vmap
+        # (or pmap) tracks nothing, and JAX refuses the cast there.
+        missing = tuple(n for n in names if vma is not None and n not in vma and n in manual)
         if not missing:
             return x
         if hasattr(lax, "pcast"):
@@ -193,14 +204,14 @@ _ALL_GATHER_HAS_TO = "to" in inspect.signature(lax.all_gather).parameters
 
 def all_gather_invariant(x: jax.Array, axis_name: Any, *, tiled: bool = False) -> jax.Array:
     """All-gather whose result is typed as replicated (identical on every replica)."""
-    if _ALL_GATHER_HAS_TO:
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if _ALL_GATHER_HAS_TO and set(names) <= _manual_axis_names():
         vma = _vma_of(x)
         if vma is not None:
-            names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
             if any(n not in vma for n in names):
                 x = vary(x, axis_name)
         return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
-    return lax.all_gather(x, axis_name, tiled=tiled)  # pragma: no cover
+    return lax.all_gather(x, axis_name, tiled=tiled)  # jax.vmap, pmap: nothing is typed
 
 
 def all_to_all(x: jax.Array, axis_name: Any) -> jax.Array:
