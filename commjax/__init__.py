@@ -1,6 +1,7 @@
 """commjax: communication-efficient optimizers for JAX.
 
-Compressed gradient exchange as optax transforms, inside ``jax.shard_map``/``jax.pmap``::
+Compressed gradient exchange as optax transforms, inside ``jax.shard_map``/``jax.pmap``
+(or ``jax.vmap`` with a named axis)::
 
     import commjax as cj
     tx = optax.chain(cj.compressed_mean(cj.quantize(bits=4), axis_name="data"),
