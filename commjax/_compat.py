@@ -179,7 +179,7 @@ def vary(tree: Any, axis_name: Any) -> Any:
     if unbound:
         raise NameError(
             f"vary: mesh axis {unbound[0]!r} is not bound here. Call cj.vary(params, axis) inside "
-            "the jax.shard_map (or jax.pmap) that binds the axis, with the axis name of its mesh.")
+            "the jax.shard_map (or jax.pmap, or jax.vmap) that binds the axis, with the axis name of its mesh.")
 
     manual = _manual_axis_names()
 

@@ -41,7 +41,7 @@ def unbound_message(axis_name: Any, where: str = "compressed_mean") -> str:
     return (
         f"{where}: mesh axis {axis_name!r} is not bound here. Gradient compression "
         "needs each replica's own gradient, so the update must run inside jax.shard_map (or "
-        "jax.pmap) over that axis, e.g.\n\n"
+        "jax.pmap, or jax.vmap with axis_name=...) over that axis, e.g.\n\n"
         "    step = jax.jit(jax.shard_map(train_step, mesh=mesh,\n"
         f"        in_specs=(P(), cj.state_specs(opt_state, {axis_name!r}), P({axis_name!r})),\n"
         f"        out_specs=(P(), cj.state_specs(opt_state, {axis_name!r}))))\n\n"
