@@ -75,9 +75,14 @@ def shard_map(
 def abstract_mesh(mesh: jax.sharding.Mesh) -> Any:
     """The mesh as code traced inside a ``shard_map`` sees it (some axes manual): what a
     nested ``shard_map`` over the remaining axes must be given."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    current = get() if get is not None else None
+    current = _current_mesh()
     return mesh if current is None or not getattr(current, "axis_names", ()) else current
+
+
+def _current_mesh() -> Any:
+    """The abstract mesh of the trace in progress (``None`` where this JAX has none)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return get() if get is not None else None
 
 
 def typed_cond(pred: Any, true_fn: Callable[[Any], Any], false_fn: Callable[[Any], Any], operands: Any) -> Any:
@@ -135,9 +140,7 @@ def axis_size(axis_name: Any) -> int:
 
 def _manual_axis_names() -> frozenset:
     """The manual axes of the ``shard_map`` being traced (empty outside one)."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    current = get() if get is not None else None
-    return frozenset(getattr(current, "manual_axes", ()) or ())
+    return frozenset(getattr(_current_mesh(), "manual_axes", ()) or ())
 
 
 def _vma_of(x: Any) -> Optional[frozenset]:
