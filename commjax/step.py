@@ -133,6 +133,8 @@ class DataParallel:
         [`TrainState`][commjax.step.TrainState]).
         """
         validation.check_int("seed", seed, 0, factory="DataParallel.init")
+        # The step donates the state's buffers: none may be one the caller still holds.
+        held = _buffers(nnx.state(params) if _is_nnx(params) else params) if self.donate else frozenset()
         if _is_nnx(params) or optimizer is not None:
             params, opt_state, body = self._init_nnx(params, optimizer)
         else:
@@ -145,7 +147,7 @@ class DataParallel:
             opt_specs = jax.tree_util.tree_map(lambda sp: _only(sp, self._manual), opt_specs,
                                                is_leaf=lambda x: isinstance(x, P))
         self._specs = TrainState(P(), self._param_specs(params), opt_specs, P())
-        state = jax.tree_util.tree_map(self._place_replicated, state,
+        state = jax.tree_util.tree_map(lambda leaf: self._place_replicated(leaf, held), state,
                                        is_leaf=lambda x: isinstance(x, jax.Array) and _is_placed(x))
         # On a mesh with model axes, every array keeps its layout from step to step.
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, state) if self._model_axes else None
@@ -245,10 +247,13 @@ class DataParallel:
         # nnx.Optimizer made outside it was sized for every device of the process (the
         # two-phase server residual; which of ZeRO's leaves are compressed, and so which
         # residuals exist), and can differ from it in shape and structure.
+        # The caller's optimizer keeps its own arrays (the step donates the state's).
+        own = optimizer.opt_state
         optimizer.opt_state = nnx.data(to_opt_state(layout.init_sharded(
             optimizer.tx, params, self.mesh, self.axis_name, mask=mask, manual_axes=self._manual)))
         model_def, model_state = nnx.split(model)
         opt_def, opt_state = nnx.split(optimizer)
+        optimizer.opt_state = own
         self._nnx = _Nnx(model_def, opt_def, optimizer.wrt)
         place = lambda leaf: leaf if _is_placed(leaf) else layout.place(  # noqa: E731
             leaf, False, self.mesh, self.axis_name, self.num_replicas)
@@ -269,11 +274,12 @@ class DataParallel:
         # An empty leaf is placed replicated, as jit returns it (layout.place).
         return jax.tree_util.tree_map(lambda p: P() if np.size(p) == 0 else P(self.axis_name), params)
 
-    def _place_replicated(self, leaf: Any) -> Any:
+    def _place_replicated(self, leaf: Any, held: frozenset) -> Any:
+        """``leaf`` placed on the mesh (replicated where not yet placed), in new buffers
+        where it shares one in ``held`` (the caller's arrays, which a donating step would
+        delete)."""
         if isinstance(leaf, jax.Array) and _is_placed(leaf):
-            # An array the caller placed (their parameters, or state that is them): the
-            # step donates the state's buffers, which would delete the caller's arrays.
-            return _copy(leaf) if self.donate else leaf
+            return _copy(leaf) if _buffers(leaf) & held else leaf
         return layout.place(leaf, False, self.mesh, self.axis_name, self.num_replicas)
 
     # ---------------------------------------------------------------- the step
@@ -434,6 +440,12 @@ def _only(spec: P, axes: frozenset) -> P:
 
 def _names(axis_name: Any) -> frozenset:
     return frozenset(axis_name) if isinstance(axis_name, (tuple, list)) else frozenset({axis_name})
+
+
+def _buffers(tree: Any) -> frozenset:
+    """The device buffers of ``tree``'s arrays (this process's shards)."""
+    return frozenset(shard.data.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree)
+                     if isinstance(x, jax.Array) and not x.is_deleted() for shard in x.addressable_shards)
 
 
 @jax.jit
